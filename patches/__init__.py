@@ -1,0 +1,10 @@
+"""zeroshim's patches, one module each (shipped as ``zeroshim.patches``).
+
+Each module reads top to bottom: symptom, cause, affected versions, flag,
+wrapper, undo; and ends with its declaration, ``PATCH``.  The order below is
+the order in which patches are applied and reported.
+"""
+
+PATCH_MODULES = (
+    "nonreentrant_checkpoint",
+)

@@ -1,0 +1,37 @@
+"""zeroshim: version-gated fixes for well-known DeepSpeed ZeRO failures.
+
+Put ``import zeroshim`` at the top of a training script.  Every enabled patch
+whose affected version range matches the installed packages is applied: at
+once if its target module is already imported, else the moment it is imported
+(wrapt post-import hooks).  Importing zeroshim imports neither torch nor
+deepspeed nor transformers.
+
+Flags (environment, read at import; see ``zeroshim/_flags.py``)::
+
+    ZEROSHIM_DISABLED=1          apply nothing
+    ZEROSHIM_PATCHES=a,b         apply only these
+    ZEROSHIM_<PATCH>=auto|on|off per patch (auto: follow the version gate)
+    ZEROSHIM_LOG_LEVEL=INFO      log to stderr
+
+Python API: :func:`configure`, :func:`apply`, :func:`unpatch`, :func:`status`,
+:func:`report`.
+"""
+
+from __future__ import annotations
+
+from ._core import (
+    APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Patch, PatchStatus, apply, configure, get_patch,
+    is_applied, patch_names, report, reset_overrides, status, sync as _sync, unpatch,
+)
+from ._flags import configure_logging as _configure_logging
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "APPLIED", "DISABLED", "FAILED", "PENDING", "SKIPPED", "Patch", "PatchStatus",
+    "apply", "configure", "get_patch", "is_applied", "patch_names", "report",
+    "reset_overrides", "status", "unpatch", "__version__",
+]
+
+_configure_logging()
+_sync()  # apply what is imported, hook the rest; idempotent

@@ -1,0 +1,343 @@
+"""The patch registry: declarations, version gates, flags, post-import hooks,
+status and undo.
+
+A patch is declared once, as a :class:`Patch` named ``PATCH`` in its own module
+under ``zeroshim.patches``.  Its ``targets`` map module names to functions that
+patch that module once it is imported; :func:`sync` registers a wrapt
+post-import hook per target, so a target imported later is patched the moment
+its import finishes, and a target already imported is patched at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
+
+from . import _flags, _hooks, _versions
+from ._patcher import Patcher, TargetChanged
+
+if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
+    from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+
+    ApplyFn = Callable[[object, Patcher], None]
+
+log = logging.getLogger("zeroshim")
+
+# States a patch can be in.
+APPLIED = "applied"      # every target patched
+PENDING = "pending"      # enabled; waiting for (some) targets to be imported
+SKIPPED = "skipped"      # not affected by the installed versions, or its target changed
+DISABLED = "disabled"    # turned off by a flag / the Python API
+FAILED = "failed"        # an unexpected error while applying; nothing of it is left applied
+
+
+class Patch:
+    """The declaration of one patch (immutable once registered)."""
+
+    __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc")
+
+    def __init__(self, name: str, summary: str, signatures: "Tuple[str, ...]", affects: "Mapping[str, str]",
+                 targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = ""):
+        #: stable name; the flag is ZEROSHIM_<NAME>
+        self.name = name
+        #: one line: the symptom, as the user sees it
+        self.summary = summary
+        #: regular expressions matching the error messages this patch fixes
+        self.signatures = tuple(signatures)
+        #: package -> PEP 440 specifier of the affected versions ("" = every version)
+        self.affects = dict(affects)
+        #: module name -> function(module, patcher) that patches it once imported
+        self.targets = dict(targets)
+        #: called after the recorded changes are undone (to reset the patch's own state)
+        self.on_undo = on_undo
+        #: the module docstring: symptom, cause, versions, flag, fix, undo
+        self.doc = doc
+
+    @property
+    def flag(self) -> str:
+        return _flags.env_name(self.name)
+
+    def __repr__(self) -> str:
+        return f"<zeroshim.Patch {self.name}>"
+
+
+class PatchStatus:
+    """What :func:`status` reports for one patch."""
+
+    __slots__ = ("name", "state", "reason", "flag", "waiting_for")
+
+    def __init__(self, name: str, state: str, reason: str, flag: str, waiting_for: "Tuple[str, ...]" = ()):
+        self.name, self.state, self.reason, self.flag, self.waiting_for = name, state, reason, flag, waiting_for
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PatchStatus) and self.as_dict() == other.as_dict()
+
+    def __repr__(self) -> str:
+        return f"PatchStatus({self.as_dict()!r})"
+
+    def __str__(self) -> str:
+        extra = f" (waiting for {', '.join(self.waiting_for)})" if self.waiting_for else ""
+        return f"{self.name}: {self.state}: {self.reason}{extra}"
+
+
+class _State:
+    __slots__ = ("state", "reason", "mode", "why", "gate", "sticky", "patcher", "done")
+
+    def __init__(self) -> None:
+        self.state = PENDING
+        self.reason = ""
+        self.mode = "auto"
+        self.why = ""                     # which flag set the mode
+        self.gate: "Optional[Tuple[bool, str]]" = None  # version gate, evaluated lazily
+        self.sticky = False               # skipped/failed because of its target: not retried
+        self.patcher: "Optional[Patcher]" = None
+        self.done: "Set[str]" = set()
+
+
+_lock = threading.RLock()
+_patches: "Dict[str, Patch]" = {}
+_states: "Dict[str, _State]" = {}
+_waiting: "Set[Tuple[str, str]]" = set()
+_env_settings: "Optional[_flags.Settings]" = None
+_overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}}
+_unpatched: "Set[str]" = set()
+
+
+# -- registry -----------------------------------------------------------------------
+def load_patches() -> Dict[str, Patch]:
+    """Import the patch modules listed in ``zeroshim.patches`` (cheap: they import
+    nothing heavy at module level)."""
+    with _lock:
+        if not _patches:
+            from importlib import import_module
+
+            package = import_module("zeroshim.patches")
+            for module_name in package.PATCH_MODULES:
+                module = import_module(f"zeroshim.patches.{module_name}")
+                patch: Patch = module.PATCH
+                if patch.name in _patches:  # pragma: no cover - a packaging mistake
+                    raise RuntimeError(f"two zeroshim patches are named {patch.name!r}")
+                if not patch.doc:
+                    patch.doc = module.__doc__ or ""
+                _patches[patch.name] = patch
+                _states[patch.name] = _State()
+        return _patches
+
+
+def patch_names() -> Tuple[str, ...]:
+    return tuple(load_patches())
+
+
+def get_patch(name: str) -> Patch:
+    return load_patches()[name]
+
+
+# -- flags --------------------------------------------------------------------------
+def _settings() -> _flags.Settings:
+    global _env_settings
+    names = patch_names()
+    if _env_settings is None:
+        _env_settings = _flags.from_environ(names)
+    settings = _env_settings.copy()
+    settings = _flags.apply_overrides(settings, names, enabled=_overrides["enabled"],  # type: ignore[arg-type]
+                                      only=_overrides["only"], modes=_overrides["modes"])  # type: ignore[arg-type]
+    for name in _unpatched:
+        settings.modes[name] = "off"
+        settings.mode_by[name] = "zeroshim.unpatch()"
+    return settings
+
+
+def reload_environ(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Re-read the ``ZEROSHIM_*`` variables (from ``environ`` if given) and sync."""
+    global _env_settings
+    with _lock:
+        _env_settings = _flags.from_environ(patch_names(), environ)
+        _flags.configure_logging(environ)
+    sync()
+
+
+def configure(enabled: Optional[bool] = None, only: Optional[Iterable[str]] = None, **modes: object) -> None:
+    """Set flags from Python (they win over the environment) and apply/undo accordingly."""
+    with _lock:
+        if enabled is not None:
+            _overrides["enabled"] = enabled
+        if only is not None:
+            _overrides["only"] = tuple(only) if not isinstance(only, str) else only
+        _overrides["modes"].update(modes)  # type: ignore[union-attr]
+    sync()
+
+
+def reset_overrides() -> None:
+    """Forget everything set through :func:`configure`, :func:`apply` and :func:`unpatch`."""
+    with _lock:
+        _overrides.update(enabled=None, only=None, modes={})
+        _unpatched.clear()
+    sync()
+
+
+def _known(names: Iterable[str], where: str) -> List[str]:
+    valid = patch_names()
+    good = []
+    for name in names:
+        if name in valid:
+            good.append(name)
+        else:
+            log.warning("zeroshim: unknown patch %r in %s; valid patch names: %s", name, where, ", ".join(valid))
+    return good
+
+
+def apply(*names: str) -> Dict[str, PatchStatus]:
+    """Apply the named patches (default: all) as far as the flags allow; cancels
+    an earlier :func:`unpatch`.  Idempotent."""
+    with _lock:
+        for name in _known(names, "zeroshim.apply()") if names else patch_names():
+            _unpatched.discard(name)
+    sync()
+    return status()
+
+
+def unpatch(*names: str) -> Dict[str, PatchStatus]:
+    """Undo the named patches (default: all), restoring the original objects, and
+    keep them off until :func:`apply`."""
+    with _lock:
+        _unpatched.update(_known(names, "zeroshim.unpatch()") if names else patch_names())
+    sync()
+    return status()
+
+
+# -- applying -----------------------------------------------------------------------
+def sync() -> None:
+    """Bring every patch to the state its flags ask for.  Version gates are
+    evaluated lazily: when a patch's first target module is imported (so that
+    ``import zeroshim`` does not pay for ``packaging``), or by :func:`status`."""
+    with _lock:
+        settings = _settings()
+        for name, patch in load_patches().items():
+            state = _states[name]
+            if state.sticky:  # its target changed or it failed: stays skipped/failed
+                continue
+            mode, why = settings.decide(name)
+            if mode == "off":
+                _undo(patch, state, DISABLED, why)
+                continue
+            if state.state == DISABLED or state.mode != mode:
+                state.state, state.reason = PENDING, ""
+            state.mode, state.why = mode, why
+            if state.gate is not None and not _gate(patch, state):  # gate known already
+                continue
+            for module_name in patch.targets:
+                if module_name not in state.done:
+                    _watch(name, module_name)
+            _refresh(patch, state)
+
+
+def _gate(patch: Patch, state: _State) -> bool:
+    """Check the version gate (once); False (and SKIPPED) if not affected."""
+    if state.mode == "on":
+        state.reason = f"forced on by {state.why} (version gate ignored)"
+        return True
+    if state.gate is None:
+        state.gate = _versions.check_affected(patch.affects)
+    affected, reason = state.gate
+    if not affected:
+        _undo(patch, state, SKIPPED, reason)
+        return False
+    if state.state == SKIPPED:
+        state.state = PENDING
+    state.reason = reason
+    return True
+
+
+def _watch(name: str, module_name: str) -> None:
+    key = (name, module_name)
+    if key in _waiting:
+        return
+    _waiting.add(key)
+    # Called at once if the module is already imported, else when its import ends.
+    _hooks.register(module_name, lambda module: _on_import(name, module_name, module))
+
+
+def _on_import(name: str, module_name: str, module: object) -> None:
+    with _lock:
+        _waiting.discard((name, module_name))
+        patch, state = _patches[name], _states[name]
+        if state.state != PENDING or module_name in state.done:
+            return
+        try:
+            if not _gate(patch, state):
+                return
+            if state.patcher is None:
+                state.patcher = Patcher(name)
+            patch.targets[module_name](module, state.patcher)
+        except TargetChanged as exc:
+            _undo(patch, state, SKIPPED, f"target changed: {exc}")
+            state.sticky = True
+            log.warning("zeroshim: skipped %s: %s", name, state.reason)
+            return
+        except Exception as exc:  # never break the user's import
+            _undo(patch, state, FAILED, f"error while patching {module_name}: {exc!r}")
+            state.sticky = True
+            log.warning("zeroshim: could not apply %s; it is left off", name, exc_info=True)
+            return
+        state.done.add(module_name)
+        _refresh(patch, state)
+
+
+def _refresh(patch: Patch, state: _State) -> None:
+    if state.state == PENDING and state.done.issuperset(patch.targets):
+        state.state = APPLIED
+        log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
+
+
+def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
+    was_applied = bool(state.done)
+    if state.patcher is not None:
+        state.patcher.undo()
+        state.patcher = None
+    state.done.clear()
+    if was_applied and patch.on_undo is not None:
+        patch.on_undo()
+    if was_applied or state.state != new_state:
+        log.debug("zeroshim: %s is %s: %s", patch.name, new_state, reason)
+    state.state, state.reason = new_state, reason
+
+
+# -- introspection --------------------------------------------------------------------
+def status(name: Optional[str] = None) -> Dict[str, PatchStatus]:
+    """Per patch: state (applied / pending / skipped / disabled / failed) and why."""
+    with _lock:
+        out = {}
+        for patch_name, patch in load_patches().items():
+            if name is not None and patch_name != name:
+                continue
+            state = _states[patch_name]
+            if state.state == PENDING and not state.sticky:
+                _gate(patch, state)
+            waiting = tuple(m for m in patch.targets if m not in state.done) if state.state == PENDING else ()
+            out[patch_name] = PatchStatus(patch_name, state.state, state.reason, patch.flag, waiting)
+        return out
+
+
+def is_applied(name: str) -> bool:
+    """True while every target of the patch is patched."""
+    with _lock:
+        return _states[name].state == APPLIED
+
+
+def is_active(name: str) -> bool:
+    """True while the patch is wanted (applied or pending): wrappers that outlive
+    an undo (stacked under another wrapper) check this and pass straight through."""
+    with _lock:
+        return _states[name].state in (APPLIED, PENDING)
+
+
+def report() -> str:
+    """A human-readable table of :func:`status`."""
+    rows = [(s.name, s.state, s.reason + (f" (waiting for {', '.join(s.waiting_for)})" if s.waiting_for else ""))
+            for s in status().values()]
+    width = max((len(r[0]) for r in rows), default=4)
+    return "\n".join(f"{n:<{width}}  {st:<8}  {why}" for n, st, why in rows)

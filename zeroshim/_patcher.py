@@ -1,0 +1,179 @@
+"""Recorded, reversible changes to other libraries' objects.
+
+Every change a patch makes goes through a :class:`Patcher`, which remembers
+exactly what was there before (including "nothing": an attribute that was only
+inherited), so that :meth:`Patcher.undo` restores the original objects by
+identity.  Wrappers are :class:`wrapt.FunctionWrapper` objects, which keep the
+wrapped function's name, signature, docstring and descriptor behaviour
+(functions, methods, classmethods, staticmethods).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
+
+if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
+    from typing import Any, Callable, List, Optional, Tuple
+
+log = logging.getLogger("zeroshim")
+
+_MISSING = object()
+
+
+class TargetChanged(Exception):
+    """Raised by a patch's apply function when the code it patches is missing
+    or not what the patch was written for.  The patch is then *skipped* (never
+    half-applied) and the message is recorded as the reason."""
+
+
+def require(condition: Any, reason: str) -> None:
+    """``TargetChanged(reason)`` unless ``condition`` holds."""
+    if not condition:
+        raise TargetChanged(reason)
+
+
+def require_attr(owner: Any, attr: str) -> Any:
+    """The raw attribute ``owner.attr`` (descriptor as stored, looked up along
+    the MRO for classes), or ``TargetChanged`` if it does not exist."""
+    import inspect
+
+    try:
+        return inspect.getattr_static(owner, attr)
+    except AttributeError:
+        name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+        raise TargetChanged(f"{name}.{attr} does not exist") from None
+
+
+def require_params(func: Callable, *names: str) -> None:
+    """``TargetChanged`` unless ``func`` accepts every parameter in ``names``."""
+    import inspect
+
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError) as exc:  # pragma: no cover - builtins
+        raise TargetChanged(f"cannot read the signature of {func!r}: {exc}") from None
+    missing = [n for n in names if n not in params]
+    require(not missing, f"{getattr(func, '__qualname__', func)} has no parameter(s) {', '.join(missing)}")
+
+
+class Patcher:
+    """Applies and records the changes of one patch."""
+
+    def __init__(self, patch_name: str):
+        self.patch_name = patch_name
+        # (owner, attr, previous value in owner's own __dict__ or _MISSING, new value)
+        self._changes: "List[Tuple[Any, str, Any, Any]]" = []
+        # (namespace dict, key, original, replacement): aliases rebound elsewhere
+        self._aliases: "List[Tuple[dict, str, Any, Any]]" = []
+
+    # -- applying -----------------------------------------------------------------
+    def wrap(self, owner: Any, attr: str, wrapper: Callable, *, rebind_aliases: bool = False) -> Any:
+        """Replace ``owner.attr`` by a :class:`wrapt.FunctionWrapper` calling
+        ``wrapper(wrapped, instance, args, kwargs)``.
+
+        Idempotent: if ``owner.attr`` is already this patch's wrapper it is
+        returned unchanged.  With ``rebind_aliases``, module globals anywhere in
+        ``sys.modules`` that hold the original object (``from x import f``
+        done before zeroshim ran) are pointed at the wrapper too.
+        """
+        import wrapt  # lazily: see _hooks.py
+
+        current = require_attr(owner, attr)
+        if is_patched_by(current, self.patch_name):
+            return current
+        wrapped = wrapt.FunctionWrapper(current, wrapper)
+        wrapped._self_zeroshim_patch = self.patch_name  # `_self_` attributes stay on the proxy
+        self.set(owner, attr, wrapped)
+        if rebind_aliases:
+            self._rebind_aliases(current, wrapped)
+        return wrapped
+
+    def set(self, owner: Any, attr: str, value: Any) -> None:
+        """``setattr(owner, attr, value)``, recorded for undo."""
+        previous = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        setattr(owner, attr, value)
+        self._changes.append((owner, attr, previous, value))
+
+    def _rebind_aliases(self, original: Any, replacement: Any) -> None:
+        # Only plain functions are worth looking for: descriptors stored on a
+        # class are never imported by name into another module's namespace.
+        if type(original).__name__ != "function":
+            return
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            try:
+                items = [(k, v) for k, v in namespace.items() if v is original]
+            except RuntimeError:  # pragma: no cover - dict changed during a concurrent import
+                continue
+            for key, _ in items:
+                namespace[key] = replacement
+                self._aliases.append((namespace, key, original, replacement))
+        if self._aliases:
+            log.debug("zeroshim[%s]: rebound %d alias(es) of %s", self.patch_name,
+                      len(self._aliases), getattr(original, "__qualname__", original))
+
+    # -- undoing ------------------------------------------------------------------
+    @property
+    def changed(self) -> bool:
+        return bool(self._changes or self._aliases)
+
+    def undo(self) -> None:
+        """Restore every recorded change, newest first.  Each attribute is put
+        back only if it still holds what this patcher put there; if somebody
+        else replaced it meanwhile, theirs is left alone (and logged)."""
+        for namespace, key, original, replacement in reversed(self._aliases):
+            if namespace.get(key) is replacement:
+                namespace[key] = original
+        self._aliases.clear()
+        for owner, attr, previous, value in reversed(self._changes):
+            own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            if own is not value:
+                log.warning("zeroshim[%s]: %r.%s was replaced by someone else after zeroshim patched it; "
+                            "leaving it as it is", self.patch_name, owner, attr)
+                continue
+            if previous is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, previous)
+        self._changes.clear()
+
+
+def is_patched_by(obj: Any, patch_name: Optional[str] = None) -> bool:
+    """True if ``obj`` is a zeroshim wrapper (of ``patch_name``, if given)."""
+    if "wrapt" not in sys.modules:
+        return False
+    import wrapt
+
+    tag = getattr(obj, "_self_zeroshim_patch", None) if isinstance(obj, wrapt.ObjectProxy) else None
+    return tag is not None and (patch_name is None or tag == patch_name)
+
+
+class guard:
+    """``with guard(patch_name): ...`` around zeroshim's *own* logic inside a
+    wrapper.  An exception there is logged (with traceback, once per patch) and
+    swallowed, so the wrapper goes on to call the original function unchanged:
+    a bug in zeroshim never hides, replaces or adds to the wrapped function's
+    own errors.  Code that calls the wrapped function must stay outside."""
+
+    _reported: set = set()
+
+    def __init__(self, patch_name: str):
+        self.patch_name = patch_name
+        self.failed = False
+
+    def __enter__(self) -> "guard":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None or not issubclass(exc_type, Exception):
+            return False
+        self.failed = True
+        if self.patch_name not in guard._reported:
+            guard._reported.add(self.patch_name)
+            log.warning("zeroshim[%s]: internal error, falling back to the unpatched behaviour "
+                        "(please report this)", self.patch_name, exc_info=(exc_type, exc, tb))
+        return True
