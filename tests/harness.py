@@ -1,0 +1,52 @@
+"""Launch scenario workers under torchrun and collect their per-rank results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+TIMEOUT = int(os.environ.get("ZEROSHIM_TEST_TIMEOUT", "900"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict:
+    """The test process's environment without zeroshim flags, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCENARIOS), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def torchrun(script: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
+             launcher: list[str] | None = None, check: bool = True) -> dict:
+    """Run ``tests/scenarios/<script>`` on ``nproc`` ranks; return
+    ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = list(launcher or []) + [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        str(SCENARIOS / script), "--out", str(out_dir), *args,
+    ]
+    proc = subprocess.run(cmd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=TIMEOUT)
+    (out_dir / "log.txt").write_text(proc.stdout)
+    ranks = []
+    for rank in range(nproc):
+        path = out_dir / f"rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    if check and (proc.returncode != 0 or None in ranks):
+        raise AssertionError(f"{script} on {nproc} rank(s) exited {proc.returncode}; log tail:\n"
+                             + proc.stdout[-6000:])
+    return {"returncode": proc.returncode, "log": proc.stdout, "ranks": ranks}

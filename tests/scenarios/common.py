@@ -1,0 +1,98 @@
+"""Shared helpers for the scenario workers (run under torchrun, one process per rank).
+
+A worker runs several training attempts in one process (DeepSpeed start-up is
+the expensive part), records each attempt's outcome and writes
+``<out>/rank<R>.json``.  The pytest side (tests/harness.py) reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed():
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def ds_config(stage: int, *, micro_batch: int = 4, bf16: bool = True, clip: float = 0.0, **zero) -> dict:
+    """A DeepSpeed config for CPU tests.  ``stage3_param_persistence_threshold: 0``
+    makes ZeRO-3 partition even tiny test parameters (otherwise bugs hide)."""
+    zero_cfg = {"stage": stage}
+    if stage == 3:
+        zero_cfg.update(stage3_param_persistence_threshold=0)
+    zero_cfg.update(zero)
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": clip,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": zero_cfg,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` plus the innermost frames, for error-signature matching."""
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " | ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.line}" for f in frames)
+    return f"{type(exc).__name__}: {exc} @ {where}"
+
+
+def attempt(fn, *args, **kwargs) -> dict:
+    """Run one training attempt; never raises."""
+    try:
+        result = fn(*args, **kwargs)
+        return {"ok": True, **result}
+    except Exception as exc:  # the failing scenarios are the point
+        return {"ok": False, "error": describe(exc)}
+
+
+def param_digest(module: torch.nn.Module) -> dict:
+    """Per-parameter float64 sums and a hash of all bytes (parameters gathered under ZeRO-3)."""
+    params = list(module.parameters())
+    gathered = [p for p in params if hasattr(p, "ds_id")]
+    if gathered:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(gathered, modifier_rank=None)
+    else:
+        import contextlib
+
+        ctx = contextlib.nullcontext()
+    with ctx:
+        digest = hashlib.sha256()
+        sums = {}
+        for name, p in module.named_parameters():
+            data = p.detach().float().cpu().contiguous()
+            digest.update(data.numpy().tobytes())
+            sums[name] = float(data.double().sum())
+    return {"param_sha256": digest.hexdigest(), "param_sums": sums}
+
+
+def write_results(out_dir: str, results: dict) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh, indent=1, sort_keys=True)
+
+
+def versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "deepspeed", "transformers", "peft", "accelerate"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    return out

@@ -1,0 +1,79 @@
+"""Patch nonreentrant_checkpoint against real DeepSpeed (CPU, gloo, 1 and 2 ranks).
+
+One torchrun per world size runs every phase (see scenarios/checkpoint_reuse.py):
+reference and failing runs without zeroshim, patched runs, and runs after undo.
+"""
+
+import re
+
+import pytest
+
+import zeroshim
+from harness import torchrun
+
+PATCH = zeroshim.get_patch("nonreentrant_checkpoint")
+SIGNATURE = {2: PATCH.signatures[0], 3: PATCH.signatures[1]}
+
+pytestmark = pytest.mark.deepspeed
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def outcome(request, tmp_path_factory):
+    result = torchrun("checkpoint_reuse.py", request.param, tmp_path_factory.mktemp(f"ckpt{request.param}"))
+    return request.param, result["ranks"]
+
+
+def runs(ranks, key):
+    return [r[key] for r in ranks]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fails_without_zeroshim(outcome, stage):
+    _, ranks = outcome
+    for run in runs(ranks, f"baseline/z{stage}"):
+        assert not run["ok"], "the reentrant scenario trained without zeroshim: the test cannot fail"
+        assert re.search(SIGNATURE[stage], run["error"]), run["error"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trains_with_zeroshim_and_matches_nonreentrant_reference(outcome, stage):
+    _, ranks = outcome
+    for patched, reference in zip(runs(ranks, f"patched/z{stage}"), runs(ranks, f"reference/z{stage}")):
+        assert patched["ok"], patched.get("error")
+        assert reference["ok"], reference.get("error")
+        assert patched["losses"] == reference["losses"]  # bit for bit
+        assert patched["param_sha256"] == reference["param_sha256"]
+
+
+def test_all_ranks_agree(outcome):
+    nproc, ranks = outcome
+    assert len(ranks) == nproc
+    for stage in (2, 3):
+        digests = {r[f"patched/z{stage}"]["param_sha256"] for r in ranks}
+        assert len(digests) == 1, "ranks disagree on the parameters after training"
+
+
+def test_without_zero_nothing_changes(outcome):
+    _, ranks = outcome
+    for patched, baseline in zip(runs(ranks, "patched/z0"), runs(ranks, "baseline/z0")):
+        assert baseline["ok"] and patched["ok"]
+        assert patched["grad_fn"] == "CheckpointFunctionBackward"  # still reentrant
+        assert patched["losses"] == baseline["losses"]
+        assert patched["param_sha256"] == baseline["param_sha256"]
+
+
+def test_applied_at_import_and_reaches_names_bound_before(outcome):
+    _, ranks = outcome
+    for rank in ranks:
+        assert rank["status"]["nonreentrant_checkpoint"]["state"] == "applied"
+        # the worker's `from torch.utils.checkpoint import checkpoint` predates zeroshim:
+        assert rank["alias_is_original"] is True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_undo_restores_the_original_failure(outcome, stage):
+    _, ranks = outcome
+    for rank in ranks:
+        assert rank["undo_restored"] is True
+        run = rank[f"undone/z{stage}"]
+        assert not run["ok"] and re.search(SIGNATURE[stage], run["error"]), run.get("error")
