@@ -11,6 +11,7 @@ its import finishes, and a target already imported is patched at once.
 from __future__ import annotations
 
 import logging
+import os as _os
 import threading
 TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
 
@@ -126,6 +127,30 @@ def load_patches() -> Dict[str, Patch]:
                 _patches[patch.name] = patch
                 _states[patch.name] = _State()
         return _patches
+
+
+def register(patch: Patch) -> None:
+    """Add a patch that does not live in ``zeroshim.patches`` (tests, plugins)
+    and sync it.  Registering the same name twice is an error."""
+    with _lock:
+        load_patches()
+        if patch.name in _patches:
+            raise ValueError(f"a zeroshim patch named {patch.name!r} is already registered")
+        _patches[patch.name] = patch
+        _states[patch.name] = _State()
+        value = _os.environ.get(patch.flag)
+        if _env_settings is not None and value is not None:  # its ZEROSHIM_<NAME>
+            _env_settings.modes[patch.name] = _flags.parse_mode(value, patch.flag)
+            _env_settings.mode_by[patch.name] = f"{patch.flag}={value}"
+    sync()
+
+
+def deregister(name: str) -> None:
+    """Undo and forget a patch added by :func:`register`."""
+    with _lock:
+        patch, state = _patches.pop(name), _states.pop(name)
+        _undo(patch, state, DISABLED, "deregistered")
+        _unpatched.discard(name)
 
 
 def patch_names() -> Tuple[str, ...]:

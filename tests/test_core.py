@@ -1,0 +1,315 @@
+"""Unit tests of the core: gating, flags, hooks, aliases, idempotence, undo,
+error isolation.  Targets are small throw-away modules written to tmp_path,
+imported for real (no mocks of the import system)."""
+
+import importlib
+import logging
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+import zeroshim
+from zeroshim import _core, _flags, _versions
+from zeroshim._patcher import guard, require_attr
+
+HEAVY = ("torch", "deepspeed", "transformers")
+
+
+# -- fixtures -----------------------------------------------------------------------
+@pytest.fixture
+def target(tmp_path, monkeypatch):
+    """A fresh importable module ``zs_target_<id>`` with a function, a class whose
+    method is inherited, and a second module that binds the function by name."""
+    name = f"zs_target_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        class Base:
+            def greet(self):
+                return "base"
+
+        class Child(Base):
+            pass
+
+        def f(x):
+            if x == "boom":
+                raise ValueError("user error")
+            return x * 2
+    """))
+    (tmp_path / f"{name}_user.py").write_text(f"from {name} import f\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    for mod in (name, f"{name}_user"):
+        sys.modules.pop(mod, None)
+
+
+@pytest.fixture
+def registry():
+    """Register test patches; undo and forget them (and any overrides) afterwards."""
+    names = []
+
+    def add(name=None, affects=None, targets=None, **kw):
+        name = name or f"test_{uuid.uuid4().hex[:8]}"
+        patch = zeroshim.Patch(name=name, summary="test patch", signatures=("test signature",),
+                               affects=affects if affects is not None else {"packaging": ""},
+                               targets=targets or {}, **kw)
+        names.append(name)
+        _core.register(patch)
+        return patch
+
+    yield add
+    for name in names:
+        if name in _core._patches:
+            _core.deregister(name)
+    zeroshim.reset_overrides()
+
+
+def doubling(wrapped, instance, args, kwargs):
+    return ("wrapped", wrapped(*args, **kwargs))
+
+
+def wrap_f(rebind=False):
+    def apply(module, patcher):
+        patcher.wrap(module, "f", doubling, rebind_aliases=rebind)
+    return apply
+
+
+# -- laziness -----------------------------------------------------------------------
+def test_import_zeroshim_imports_no_heavy_package():
+    code = ("import sys, zeroshim; heavy = [m for m in %r if m in sys.modules]; "
+            "assert not heavy, heavy; print(zeroshim.status())" % (HEAVY + ("wrapt", "packaging"),))
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- hooks and application ----------------------------------------------------------
+def test_post_import_hook_applies_when_target_is_imported(target, registry):
+    patch = registry(targets={target: wrap_f()})
+    st = zeroshim.status()[patch.name]
+    assert st.state == "pending" and st.waiting_for == (target,)
+    module = importlib.import_module(target)
+    assert module.f(2) == ("wrapped", 4)
+    assert zeroshim.status()[patch.name].state == "applied"
+
+
+def test_already_imported_target_is_patched_at_once(target, registry):
+    module = importlib.import_module(target)
+    patch = registry(targets={target: wrap_f()})
+    assert zeroshim.is_applied(patch.name)
+    assert module.f(1) == ("wrapped", 2)
+
+
+def test_aliases_bound_before_patching_are_rebound_and_restored(target, registry):
+    module = importlib.import_module(target)
+    user = importlib.import_module(f"{target}_user")
+    original = module.f
+    patch = registry(targets={target: wrap_f(rebind=True)})
+    assert user.f(3) == ("wrapped", 6)
+    zeroshim.unpatch(patch.name)
+    assert user.f is original and module.f is original
+
+
+def test_undo_restores_inherited_attribute_exactly(target, registry):
+    module = importlib.import_module(target)
+
+    def apply(mod, patcher):
+        patcher.wrap(mod.Child, "greet", lambda w, i, a, k: "patched " + w(*a, **k))
+
+    patch = registry(targets={target: apply})
+    assert module.Child().greet() == "patched base"
+    assert "greet" in vars(module.Child)
+    zeroshim.unpatch(patch.name)
+    assert "greet" not in vars(module.Child)  # inherited again, not a copy
+    assert module.Child().greet() == "base"
+    assert zeroshim.status()[patch.name].state == "disabled"
+    assert "zeroshim.unpatch()" in zeroshim.status()[patch.name].reason
+    zeroshim.apply(patch.name)  # and back
+    assert module.Child().greet() == "patched base"
+
+
+def test_apply_and_import_are_idempotent(target, registry, caplog):
+    module = importlib.import_module(target)
+    with caplog.at_level(logging.INFO, logger="zeroshim"):
+        patch = registry(targets={target: wrap_f()})
+        first = module.f
+        zeroshim.apply()
+        zeroshim.apply(patch.name)
+        importlib.reload(zeroshim)
+        _core.sync()
+    assert module.f is first
+    assert module.f(1) == ("wrapped", 2)  # wrapped once, not twice
+    applied_lines = [r for r in caplog.records if "applied " + patch.name in r.getMessage()]
+    assert len(applied_lines) == 1
+
+
+def test_on_undo_is_called(target, registry):
+    importlib.import_module(target)
+    calls = []
+    patch = registry(targets={target: wrap_f()}, on_undo=lambda: calls.append(1))
+    zeroshim.unpatch(patch.name)
+    zeroshim.unpatch(patch.name)
+    assert calls == [1]
+
+
+# -- version gates ------------------------------------------------------------------
+def test_out_of_range_is_skipped_with_reason(target, registry):
+    module = importlib.import_module(target)
+    original = module.f
+    patch = registry(affects={"packaging": "<1"}, targets={target: wrap_f()})
+    st = zeroshim.status()[patch.name]
+    assert st.state == "skipped"
+    assert st.reason.startswith("not affected: packaging ") and "<1" in st.reason
+    assert module.f is original
+
+
+def test_gate_is_checked_when_target_imports(target, registry):
+    patch = registry(affects={"packaging": "<1"}, targets={target: wrap_f()})
+    module = importlib.import_module(target)
+    assert module.f(1) == 2
+    assert zeroshim.status()[patch.name].state == "skipped"
+
+
+def test_on_forces_outside_range(target, registry):
+    module = importlib.import_module(target)
+    patch = registry(affects={"packaging": "<1"}, targets={target: wrap_f()})
+    zeroshim.configure(**{patch.name: "on"})
+    st = zeroshim.status()[patch.name]
+    assert st.state == "applied" and "version gate ignored" in st.reason
+    assert module.f(1) == ("wrapped", 2)
+    zeroshim.configure(**{patch.name: "auto"})
+    assert zeroshim.status()[patch.name].state == "skipped" and module.f(1) == 2
+
+
+def test_missing_package_is_skipped(target, registry):
+    patch = registry(affects={"zeroshim-no-such-dist": ""}, targets={target: wrap_f()})
+    assert zeroshim.status()[patch.name].reason == "zeroshim-no-such-dist is not installed"
+
+
+def test_versions_read_without_importing():
+    assert _versions.installed("packaging")
+    assert _versions.installed("zeroshim-no-such-dist") is None
+    assert str(_versions.base_version("2.13.0+cpu")) == "2.13.0"
+    assert _versions.check_affected({"packaging": ">=1"})[0]
+
+
+# -- target changed / errors --------------------------------------------------------
+def test_changed_target_is_skipped_and_nothing_is_left_half_applied(target, registry, caplog):
+    module = importlib.import_module(target)
+    original = module.f
+
+    def apply(mod, patcher):
+        patcher.wrap(mod, "f", doubling)
+        require_attr(mod, "no_such_function")
+
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        patch = registry(targets={target: apply})
+    st = zeroshim.status()[patch.name]
+    assert st.state == "skipped" and "no_such_function does not exist" in st.reason
+    assert module.f is original
+    assert any("skipped " + patch.name in r.getMessage() for r in caplog.records)
+
+
+def test_error_while_patching_never_breaks_the_import(target, registry):
+    def apply(mod, patcher):
+        patcher.wrap(mod, "f", doubling)
+        raise RuntimeError("bug in a patch")
+
+    patch = registry(targets={target: apply})
+    module = importlib.import_module(target)  # must not raise
+    assert module.f(1) == 2
+    st = zeroshim.status()[patch.name]
+    assert st.state == "failed" and "bug in a patch" in st.reason
+
+
+def test_guard_keeps_the_wrapped_functions_own_errors(target, registry):
+    module = importlib.import_module(target)
+
+    def buggy(wrapped, instance, args, kwargs):
+        with guard("test-guard"):
+            raise KeyError("zeroshim's own bug")
+        return wrapped(*args, **kwargs)
+
+    registry(targets={target: lambda mod, p: p.wrap(mod, "f", buggy)})
+    assert module.f(2) == 4  # falls back to the original
+    with pytest.raises(ValueError, match="user error"):
+        module.f("boom")
+
+
+# -- flags --------------------------------------------------------------------------
+NAMES = ("alpha", "beta")
+
+
+def test_flags_defaults():
+    s = _flags.from_environ(NAMES, {})
+    assert s.decide("alpha") == ("auto", "")
+
+
+def test_kill_switch():
+    s = _flags.from_environ(NAMES, {"ZEROSHIM_DISABLED": "1", "ZEROSHIM_ALPHA": "on"})
+    assert s.decide("alpha") == ("off", "disabled by ZEROSHIM_DISABLED=1")
+
+
+def test_allow_list_and_unknown_names(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        s = _flags.from_environ(NAMES, {"ZEROSHIM_PATCHES": "beta, gamma"})
+    assert s.decide("alpha")[0] == "off" and "not in ZEROSHIM_PATCHES" in s.decide("alpha")[1]
+    assert s.decide("beta")[0] == "auto"
+    assert "unknown patch 'gamma'" in caplog.text and "alpha, beta" in caplog.text
+
+
+@pytest.mark.parametrize("value,mode", [("on", "on"), ("1", "on"), ("TRUE", "on"), ("off", "off"),
+                                        ("0", "off"), ("no", "off"), ("auto", "auto"), ("", "auto")])
+def test_per_patch_modes(value, mode):
+    assert _flags.from_environ(NAMES, {"ZEROSHIM_BETA": value}).decide("beta")[0] == mode
+
+
+def test_invalid_values_warn_and_fall_back(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        s = _flags.from_environ(NAMES, {"ZEROSHIM_ALPHA": "sometimes", "ZEROSHIM_DISABLED": "perhaps",
+                                        "ZEROSHIM_ALPAH": "off"})
+    assert s.decide("alpha") == ("auto", "ZEROSHIM_ALPHA=sometimes")
+    assert not s.disabled
+    assert "invalid value 'sometimes' for ZEROSHIM_ALPHA; valid values: auto, on, off" in caplog.text
+    assert "invalid value 'perhaps' for ZEROSHIM_DISABLED" in caplog.text
+    assert "unknown setting ZEROSHIM_ALPAH; valid variables:" in caplog.text and "ZEROSHIM_ALPHA" in caplog.text
+
+
+def test_python_api_overrides(target, registry, caplog):
+    module = importlib.import_module(target)
+    patch = registry(targets={target: wrap_f()})
+    zeroshim.configure(enabled=False)
+    assert zeroshim.status()[patch.name].reason == "disabled by zeroshim.configure(enabled=False)"
+    assert module.f(1) == 2
+    zeroshim.configure(enabled=True, only=[patch.name])
+    assert zeroshim.is_applied(patch.name)
+    assert zeroshim.status()["nonreentrant_checkpoint"].state == "disabled"
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        zeroshim.configure(no_such_patch="on", **{patch.name: "sideways"})
+    assert "unknown patch 'no_such_patch'" in caplog.text and "sideways" in caplog.text
+    zeroshim.reset_overrides()
+    assert zeroshim.is_applied(patch.name)
+
+
+def test_environment_at_import_time():
+    code = ("import zeroshim; s = zeroshim.status()['nonreentrant_checkpoint']; print(s.state, '|', s.reason)")
+    env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_DISABLED": "yes"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "disabled | disabled by ZEROSHIM_DISABLED=yes"
+    env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_NONREENTRANT_CHECKPOINT": "maybe", "ZEROSHIM_TYPO": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "invalid value 'maybe' for ZEROSHIM_NONREENTRANT_CHECKPOINT" in out.stderr
+    assert "unknown setting ZEROSHIM_TYPO" in out.stderr
+    assert out.stdout.split("|")[0].strip() in ("pending", "skipped")
+
+
+def test_log_level_flag_attaches_a_handler():
+    code = "import zeroshim, torch.utils.checkpoint, deepspeed.runtime.engine"
+    env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_LOG_LEVEL": "info"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "[zeroshim] INFO zeroshim: applied nonreentrant_checkpoint" in out.stderr
+
+
+def test_report_lists_every_patch():
+    text = zeroshim.report()
+    for name in zeroshim.patch_names():
+        assert name in text
