@@ -6,5 +6,6 @@ the order in which patches are applied and reported.
 """
 
 PATCH_MODULES = (
+    "torch_elastic_compat",
     "nonreentrant_checkpoint",
 )

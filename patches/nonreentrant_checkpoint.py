@@ -12,7 +12,8 @@ Symptom
       ``reduce_independent_p_g_buckets_and_remove_grads``);
     * ZeRO-3: a bare ``AssertionError`` at ``assert len(set(p.ds_id for p in
       params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
-      ``__reduce_and_partition_ipg_grads``).
+      ``__reduce_and_partition_ipg_grads``; ``self.params_in_ipg_bucket`` in
+      0.14.x).
 
 Cause
     Reentrant checkpointing recomputes each checkpointed call in its own nested
@@ -159,7 +160,8 @@ PATCH = Patch(
     summary="reentrant activation checkpointing under ZeRO: 'parameter ... has already been reduced'",
     signatures=(
         r"has already been reduced\.\s+Gradient computed twice for this partition",
-        r"assert len\(set\(p\.ds_id for p in params_in_bucket\)\) == len\(params_in_bucket\)",
+        # 0.14.x: `self.params_in_ipg_bucket`; later releases: `params_in_bucket`
+        r"assert len\(set\(p\.ds_id for p in (self\.)?params_in_(ipg_)?bucket\)\)",
     ),
     affects={"deepspeed": ""},
     targets={

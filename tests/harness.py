@@ -34,12 +34,16 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, env: dict | Non
     """Run ``tests/scenarios/<script>`` on ``nproc`` ranks; return
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(env or clean_env())
+    # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
+    # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
+    env.setdefault("LOCAL_SIZE", str(nproc))
     cmd = list(launcher or []) + [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         str(SCENARIOS / script), "--out", str(out_dir), *args,
     ]
-    proc = subprocess.run(cmd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=TIMEOUT)
     (out_dir / "log.txt").write_text(proc.stdout)
     ranks = []

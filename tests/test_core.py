@@ -75,11 +75,17 @@ def wrap_f(rebind=False):
     return apply
 
 
+def python(code, tmp_path, env=None, **kw):
+    """Run ``python -c code`` away from the checkout, so the installed zeroshim is used."""
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, check=True, **kw)
+
+
 # -- laziness -----------------------------------------------------------------------
-def test_import_zeroshim_imports_no_heavy_package():
+def test_import_zeroshim_imports_no_heavy_package(tmp_path):
     code = ("import sys, zeroshim; heavy = [m for m in %r if m in sys.modules]; "
-            "assert not heavy, heavy; print(zeroshim.status())" % (HEAVY + ("wrapt", "packaging"),))
-    subprocess.run([sys.executable, "-c", code], check=True)
+            "assert not heavy, heavy; print(zeroshim.report())" % (HEAVY + ("wrapt", "packaging"),))
+    assert "nonreentrant_checkpoint" in python(code, tmp_path).stdout
 
 
 # -- hooks and application ----------------------------------------------------------
@@ -290,23 +296,30 @@ def test_python_api_overrides(target, registry, caplog):
     assert zeroshim.is_applied(patch.name)
 
 
-def test_environment_at_import_time():
+def test_environment_at_import_time(tmp_path):
     code = ("import zeroshim; s = zeroshim.status()['nonreentrant_checkpoint']; print(s.state, '|', s.reason)")
     env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_DISABLED": "yes"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = python(code, tmp_path, env)
     assert out.stdout.strip() == "disabled | disabled by ZEROSHIM_DISABLED=yes"
     env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_NONREENTRANT_CHECKPOINT": "maybe", "ZEROSHIM_TYPO": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = python(code, tmp_path, env)
     assert "invalid value 'maybe' for ZEROSHIM_NONREENTRANT_CHECKPOINT" in out.stderr
     assert "unknown setting ZEROSHIM_TYPO" in out.stderr
     assert out.stdout.split("|")[0].strip() in ("pending", "skipped")
 
 
-def test_log_level_flag_attaches_a_handler():
+def test_log_level_flag_attaches_a_handler(tmp_path):
     code = "import zeroshim, torch.utils.checkpoint, deepspeed.runtime.engine"
     env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_LOG_LEVEL": "info"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = python(code, tmp_path, env)
     assert "[zeroshim] INFO zeroshim: applied nonreentrant_checkpoint" in out.stderr
+
+
+def test_source_checkout_works_without_installing(tmp_path):
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    code = "import zeroshim, zeroshim.patches as p; print(p.__file__); print(zeroshim.report())"
+    out = python(code, tmp_path, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo)})
+    assert out.stdout.splitlines()[0] == str(repo / "patches" / "__init__.py")
 
 
 def test_report_lists_every_patch():

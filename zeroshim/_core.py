@@ -16,7 +16,7 @@ import threading
 TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
 
 from . import _flags, _hooks, _versions
-from ._patcher import Patcher, TargetChanged
+from ._patcher import NotAffected, Patcher, TargetChanged
 
 if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
     from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
@@ -116,7 +116,7 @@ def load_patches() -> Dict[str, Patch]:
         if not _patches:
             from importlib import import_module
 
-            package = import_module("zeroshim.patches")
+            package = _patches_package()
             for module_name in package.PATCH_MODULES:
                 module = import_module(f"zeroshim.patches.{module_name}")
                 patch: Patch = module.PATCH
@@ -127,6 +127,29 @@ def load_patches() -> Dict[str, Patch]:
                 _patches[patch.name] = patch
                 _states[patch.name] = _State()
         return _patches
+
+
+def _patches_package():
+    """``zeroshim.patches``: installed from the repository's top-level
+    ``patches/`` by a package-dir mapping.  In a source checkout used without
+    installing (``PYTHONPATH=.``) the mapping does not exist, so the same
+    directory is loaded under that name."""
+    import os
+    import sys
+    from importlib import import_module, util
+
+    try:
+        return import_module("zeroshim.patches")
+    except ModuleNotFoundError as exc:
+        source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
+        if exc.name != "zeroshim.patches" or not os.path.isfile(os.path.join(source, "__init__.py")):
+            raise
+    spec = util.spec_from_file_location("zeroshim.patches", os.path.join(source, "__init__.py"),
+                                        submodule_search_locations=[source])
+    module = util.module_from_spec(spec)
+    sys.modules["zeroshim.patches"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def register(patch: Patch) -> None:
@@ -298,6 +321,10 @@ def _on_import(name: str, module_name: str, module: object) -> None:
             if state.patcher is None:
                 state.patcher = Patcher(name)
             patch.targets[module_name](module, state.patcher)
+        except NotAffected as exc:
+            _undo(patch, state, SKIPPED, f"not affected: {exc}")
+            state.sticky = True
+            return
         except TargetChanged as exc:
             _undo(patch, state, SKIPPED, f"target changed: {exc}")
             state.sticky = True

@@ -28,6 +28,12 @@ class TargetChanged(Exception):
     half-applied) and the message is recorded as the reason."""
 
 
+class NotAffected(TargetChanged):
+    """Raised by an apply function that finds the bug absent in the code it
+    inspects (e.g. the missing name exists after all): the patch is *skipped*
+    as "not affected", quietly, like a version gate says no."""
+
+
 def require(condition: Any, reason: str) -> None:
     """``TargetChanged(reason)`` unless ``condition`` holds."""
     if not condition:

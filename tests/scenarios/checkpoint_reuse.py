@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint  # bound before zeroshim is imported
 
-import deepspeed
+from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
+                    versions, write_results)
 
-from common import attempt, ds_config, init_distributed, param_digest, versions, write_results
+deepspeed = import_deepspeed()
 
 STEPS = 3
 
@@ -71,17 +72,16 @@ def main() -> None:
     init_distributed()
 
     results = {"versions": versions()}
-    assert "zeroshim" not in sys.modules
+    assert "zeroshim" not in sys.modules or not sys.modules["zeroshim"].is_applied("nonreentrant_checkpoint")
     results.update(run_all("reference", False, stages))
     results.update(run_all("baseline", True, stages))
 
-    import zeroshim
-
+    zeroshim = enable_zeroshim()
     results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
     results["alias_is_original"] = checkpoint is torch.utils.checkpoint.checkpoint
     results.update(run_all("patched", True, stages))
 
-    zeroshim.unpatch()
+    zeroshim.unpatch("nonreentrant_checkpoint")
     from deepspeed.runtime.engine import DeepSpeedEngine
     from torch.utils.checkpoint import CheckpointFunction
 

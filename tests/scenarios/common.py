@@ -17,9 +17,40 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed():
+def import_deepspeed():
+    """Import deepspeed *without* zeroshim's fixes.
+
+    DeepSpeed < 0.14.4 cannot even be imported on current torch; there, and
+    only there, zeroshim is imported restricted to ``torch_elastic_compat`` (the
+    least that makes DeepSpeed importable).  :func:`enable_zeroshim` lifts the
+    restriction later."""
+    import torch.distributed.elastic.agent.server.api as api
+
+    if not hasattr(api, "_get_socket_with_port"):
+        from importlib.metadata import version
+
+        from packaging.version import Version
+
+        if Version(version("deepspeed")) < Version("0.14.4"):
+            import zeroshim
+
+            zeroshim.configure(only=["torch_elastic_compat"])
     import deepspeed
 
+    return deepspeed
+
+
+def enable_zeroshim():
+    """``import zeroshim`` with every patch the flags allow (lifts the
+    restriction :func:`import_deepspeed` may have set)."""
+    import zeroshim
+
+    zeroshim.reset_overrides()
+    return zeroshim
+
+
+def init_distributed():
+    deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")
     return dist.get_rank(), dist.get_world_size()
 

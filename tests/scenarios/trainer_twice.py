@@ -25,7 +25,9 @@ import transformers
 from packaging.version import Version
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
-from common import attempt, init_distributed, param_digest, versions, write_results
+from common import attempt, import_deepspeed, init_distributed, param_digest, versions, write_results
+
+import_deepspeed()  # before transformers imports it (old DeepSpeed needs the import-compat patch)
 
 
 class TwiceConfig(PretrainedConfig):
