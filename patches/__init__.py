@@ -8,4 +8,5 @@ the order in which patches are applied and reported.
 PATCH_MODULES = (
     "torch_elastic_compat",
     "nonreentrant_checkpoint",
+    "offload_clip_device",
 )

@@ -52,16 +52,39 @@ def require_attr(owner: Any, attr: str) -> Any:
         raise TargetChanged(f"{name}.{attr} does not exist") from None
 
 
-def require_params(func: Callable, *names: str) -> None:
-    """``TargetChanged`` unless ``func`` accepts every parameter in ``names``."""
+def require_params(func: "Callable", *names: str) -> None:
+    """``TargetChanged`` unless ``func`` accepts every parameter in ``names``.
+
+    Looks through decorators: ``__wrapped__`` chains, and for a bare
+    ``(*args, **kwargs)`` wrapper (DeepSpeed's ``instrument_w_nvtx`` does not use
+    functools.wraps) the functions held in its closure."""
     import inspect
 
+    def accepts(candidate) -> bool:
+        try:
+            params = inspect.signature(candidate, follow_wrapped=True).parameters
+        except (TypeError, ValueError):
+            return False
+        return all(n in params for n in names)
+
+    seen, todo = set(), [func]
+    while todo:
+        candidate = todo.pop()
+        if id(candidate) in seen or not callable(candidate):
+            continue
+        seen.add(id(candidate))
+        if accepts(candidate):
+            return
+        todo.extend(cell.cell_contents for cell in (getattr(candidate, "__closure__", None) or ())
+                    if inspect.isfunction(_cell(cell)))
+    raise TargetChanged(f"{getattr(func, '__qualname__', func)} has no parameter(s) {', '.join(names)}")
+
+
+def _cell(cell):
     try:
-        params = inspect.signature(func).parameters
-    except (TypeError, ValueError) as exc:  # pragma: no cover - builtins
-        raise TargetChanged(f"cannot read the signature of {func!r}: {exc}") from None
-    missing = [n for n in names if n not in params]
-    require(not missing, f"{getattr(func, '__qualname__', func)} has no parameter(s) {', '.join(missing)}")
+        return cell.cell_contents
+    except ValueError:  # empty cell
+        return None
 
 
 class Patcher:

@@ -90,7 +90,7 @@ def attempt(fn, *args, **kwargs) -> dict:
         return {"ok": False, "error": describe(exc)}
 
 
-def param_digest(module: torch.nn.Module) -> dict:
+def param_digest(module: torch.nn.Module, values: bool = False) -> dict:
     """Per-parameter float64 sums and a hash of all bytes (parameters gathered under ZeRO-3)."""
     params = list(module.parameters())
     gathered = [p for p in params if hasattr(p, "ds_id")]
@@ -104,12 +104,17 @@ def param_digest(module: torch.nn.Module) -> dict:
         ctx = contextlib.nullcontext()
     with ctx:
         digest = hashlib.sha256()
-        sums = {}
+        sums, flat = {}, []
         for name, p in module.named_parameters():
             data = p.detach().float().cpu().contiguous()
             digest.update(data.numpy().tobytes())
             sums[name] = float(data.double().sum())
-    return {"param_sha256": digest.hexdigest(), "param_sums": sums}
+            if values:
+                flat.extend(data.flatten().tolist())
+    out = {"param_sha256": digest.hexdigest(), "param_sums": sums}
+    if values:
+        out["param_values"] = flat
+    return out
 
 
 def write_results(out_dir: str, results: dict) -> None:
