@@ -20,10 +20,28 @@ nox.options.sessions = ["tests"]
 TORCH = "torch==2.13.0"
 
 # name -> packages installed on top of torch (DeepSpeed builds with DS_BUILD_OPS=0).
+# Why these: 0.14.1 is the oldest DeepSpeed with a CPU accelerator that works
+# here (<= 0.13 needs intel-extension-for-pytorch) and is inside the ranges of
+# torch_elastic_compat and offload_clip_device; 0.16.9 is past both fixes;
+# 0.19.2 is the last release before the frozen-parameter recompute fix
+# (0.19.3); 0.19.8 is the latest.  transformers 4.49/4.57 default to reentrant
+# checkpointing, 5.x to non-reentrant.
 MATRIX = {
-    "ds0.19.8": ["deepspeed==0.19.8", "transformers==4.57.*", "peft==0.17.*", "accelerate>=1.0"],
+    "ds0.14.1": ["deepspeed==0.14.1", "transformers==4.49.*", "peft==0.14.*", "numpy<2", "accelerate==1.15.0"],
+    "ds0.16.9": ["deepspeed==0.16.9", "transformers==4.49.*", "peft==0.14.*", "accelerate==1.15.0"],
+    "ds0.19.2": ["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"],
+    "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
 }
 DEMO_ENV = "ds0.19.8"
+
+
+def _env(session, **extra):
+    """DeepSpeed JIT-builds a small comm op into TORCH_EXTENSIONS_DIR; one per
+    environment, so DeepSpeed versions never load each other's build."""
+    env = {"OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": os.path.join(session.virtualenv.location, "torch_extensions")}
+    env.update(extra)
+    return env
 
 
 def _install(session, env_name):
@@ -39,12 +57,11 @@ def tests(session, env):
     _install(session, env)
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs,
-                env={"OMP_NUM_THREADS": "1", "ZEROSHIM_TEST_ENV": env})
+    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, ZEROSHIM_TEST_ENV=env))
 
 
 @nox.session
 def demo(session):
     """Reentrant checkpointing under ZeRO-2/3 on 2 ranks: without, then with zeroshim."""
     _install(session, DEMO_ENV)
-    session.run("python", "examples/checkpoint_demo.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "examples/checkpoint_demo.py", *session.posargs, env=_env(session))

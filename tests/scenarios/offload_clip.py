@@ -101,11 +101,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--uncaught", action="store_true", help="train once with offload, let errors propagate "
+                                                                "(to capture a real log)")
     args = parser.parse_args()
     init_distributed()
     device = torch.device(args.device, torch.distributed.get_rank()) if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
+    if args.uncaught:
+        print(train(device, True)["losses"])
+        return
     results = {"versions": versions()}
     results["without/offload"] = attempt(train, device, True)
     if args.device == "cpu":
