@@ -1,0 +1,186 @@
+"""zeroshim doctor / explain / zeroshim-run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zeroshim
+from harness import clean_env, free_port
+from zeroshim import _cli, _versions
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DS = _versions.installed("deepspeed")
+BIN = Path(sys.executable).parent
+
+
+def ds_before(version):
+    return DS is not None and _versions.base_version(DS) < _versions.base_version(version)
+
+
+# What each patch should do here, written from the evidence (not from the patch declarations).
+EXPECTED = {
+    "torch_elastic_compat": "would apply" if ds_before("0.14.4") else "skipped",
+    "nonreentrant_checkpoint": "would apply",
+    "offload_clip_device": "would apply" if ds_before("0.14.5") and not ds_before("0.13.0") else "skipped",
+}
+
+
+def cli(*args, env=None, stdin=None, cwd=None):
+    base = clean_env()
+    base.update(env or {})
+    exe = shutil.which("zeroshim", path=str(BIN)) or "zeroshim"
+    return subprocess.run([exe, *args], env=base, input=stdin, capture_output=True, text=True, cwd=cwd)
+
+
+# -- doctor ---------------------------------------------------------------------------
+def test_doctor_reports_versions_and_verdicts(tmp_path):
+    out = cli("doctor", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["versions"]["deepspeed"] == DS
+    verdicts = {p["patch"]: p["verdict"] for p in report["patches"]}
+    assert verdicts == {name: EXPECTED.get(name, verdicts[name]) for name in zeroshim.patch_names()}
+    for name, verdict in EXPECTED.items():
+        assert verdicts[name] == verdict, (name, report["patches"])
+    text = cli("doctor", cwd=tmp_path).stdout
+    assert f"deepspeed     {DS}" in text
+    for name in zeroshim.patch_names():
+        assert name in text
+
+
+def test_doctor_names_the_disabling_flag(tmp_path):
+    out = cli("doctor", "--json", env={"ZEROSHIM_NONREENTRANT_CHECKPOINT": "off"}, cwd=tmp_path)
+    entry = {p["patch"]: p for p in json.loads(out.stdout)["patches"]}["nonreentrant_checkpoint"]
+    assert entry["verdict"] == "disabled" and "ZEROSHIM_NONREENTRANT_CHECKPOINT=off" in entry["reason"]
+
+
+def test_doctor_imports_nothing_heavy(tmp_path):
+    code = ("import sys; from zeroshim._cli import main; main(['doctor']); "
+            "assert not [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, capture_output=True)
+
+
+def test_doctor_config_checks(tmp_path):
+    risky = {"gradient_clipping": 1.0, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": False}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(risky))
+    findings = json.loads(cli("doctor", "--json", "--config", str(path)).stdout)["config"]["findings"]
+    patches = {f["patch"] for f in findings}
+    assert "nonreentrant_checkpoint" in patches
+    assert ("offload_clip_device" in patches) == (EXPECTED["offload_clip_device"] == "would apply")
+    assert any("pin_memory" in f["message"] for f in findings)
+
+
+@pytest.mark.parametrize("zero,needle", [
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param=cpu needs ZeRO stage 3"),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "nvme_path is not set"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, "without offload_optimizer"),
+])
+def test_inconsistent_offload_settings(zero, needle):
+    messages = [f["message"] for f in _cli.check_config({"zero_optimization": zero})]
+    assert any(needle in m for m in messages), messages
+
+
+def test_doctor_unreadable_config_still_exits_zero(tmp_path):
+    out = cli("doctor", "--config", str(tmp_path / "missing.json"))
+    assert out.returncode == 0 and "could not read it" in out.stdout
+
+
+# -- explain --------------------------------------------------------------------------
+LOGS = {
+    "zero2_already_reduced_ds0.19.8_2ranks.log": "nonreentrant_checkpoint",
+    "zero3_ds_id_assert_ds0.19.8_2ranks.log": "nonreentrant_checkpoint",
+    "zero3_ds_id_assert_ds0.14.1_2ranks.log": "nonreentrant_checkpoint",
+    "import_get_socket_ds0.14.1_2ranks.log": "torch_elastic_compat",
+    "offload_clip_device_ds0.14.1_h100.log": "offload_clip_device",
+}
+
+
+@pytest.mark.parametrize("name,patch", sorted(LOGS.items()))
+def test_explain_real_logs(name, patch):
+    out = cli("explain", "--json", str(FIXTURES / name))
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = json.loads(out.stdout)
+    assert [f["patch"] for f in found] == [patch]
+    text = cli("explain", str(FIXTURES / name)).stdout
+    assert text.startswith(patch + ":")
+    expected = EXPECTED[patch]
+    if expected == "would apply":
+        assert "zeroshim would apply it here" in text and "zeroshim-run" in text
+    else:
+        assert "would not apply it to the installed versions" in text
+
+
+def test_explain_unrelated_log():
+    out = cli("explain", str(FIXTURES / "unrelated_shape_error_2ranks.log"))
+    assert out.returncode == 1
+    assert "No known zeroshim error signature" in out.stdout
+
+
+def test_explain_reads_stdin_and_strips_rank_prefixes():
+    log = ("[rank1]: AssertionError: The parameter 7 has already been reduced.\n"
+           "[rank1]:                     Gradient computed twice for this partition.\n")
+    out = cli("explain", "-", stdin=log)
+    assert out.returncode == 0 and out.stdout.startswith("nonreentrant_checkpoint:")
+
+
+def test_explain_says_how_to_enable_a_disabled_patch():
+    out = cli("explain", str(FIXTURES / "zero2_already_reduced_ds0.19.8_2ranks.log"),
+              env={"ZEROSHIM_DISABLED": "1"})
+    assert "set ZEROSHIM_NONREENTRANT_CHECKPOINT=auto" in out.stdout
+
+
+# -- zeroshim-run ---------------------------------------------------------------------
+def test_launcher_keeps_an_existing_sitecustomize_and_pythonpath(tmp_path):
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
+    code = ("import os, sys; print(os.environ.get('USER_SITECUSTOMIZE_RAN'), 'zeroshim' in sys.modules, "
+            "'torch' in sys.modules)")
+    env = clean_env(PYTHONPATH=str(custom))
+    run = shutil.which("zeroshim-run", path=str(BIN))
+    out = subprocess.run([run, sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True", "False"]
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert plain.stdout.split() == ["1", "False", "False"]
+
+
+def test_launcher_environment():
+    env = _cli.launcher_env({"PYTHONPATH": "/a:/b", "ZEROSHIM_DISABLED": "1"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [_cli.BOOTSTRAP_DIR, "/a", "/b"]
+    assert env["ZEROSHIM_DISABLED"] == "1"  # flags pass through
+    assert _cli.launcher_env(env)["PYTHONPATH"] == env["PYTHONPATH"]  # no double entry
+
+
+@pytest.mark.deepspeed
+def test_launcher_activates_every_rank_of_torchrun(tmp_path):
+    """The checkpointing demo's worker has no `import zeroshim`: fails on 2 ranks
+    without the launcher, trains with it."""
+    def torchrun(prefix):
+        cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                        str(EXAMPLES / "checkpoint_demo.py"), "--worker", "--stage", "2", "--steps", "2"]
+        env = clean_env(LOCAL_SIZE="2")
+        if ds_before("0.14.4"):  # that DeepSpeed cannot even be imported without zeroshim
+            env["ZEROSHIM_PATCHES"] = "torch_elastic_compat,nonreentrant_checkpoint"
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+
+    without = torchrun([])
+    if not ds_before("0.14.4"):
+        assert without.returncode != 0
+        assert "has already been reduced" in without.stdout + without.stderr
+    else:
+        assert "cannot import name '_get_socket_with_port'" in without.stdout + without.stderr
+    with_ = torchrun([shutil.which("zeroshim-run", path=str(BIN))])
+    assert with_.returncode == 0, (with_.stdout + with_.stderr)[-4000:]
+    assert "RESULT trained 2 steps" in with_.stdout
