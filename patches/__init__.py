@@ -9,4 +9,5 @@ PATCH_MODULES = (
     "torch_elastic_compat",
     "nonreentrant_checkpoint",
     "offload_clip_device",
+    "zero3_dummy_loss",
 )

@@ -1,0 +1,217 @@
+"""Strip zero-weighted "dummy" loss terms over partitioned parameters under ZeRO-3.
+
+Symptom
+    Model or training code adds a term so that every parameter "takes part" in
+    backward (ms-swift adapters, some MoE and multimodal code)::
+
+        dummy = sum(p.sum() for p in self.adapter.parameters()) * 0.0
+        loss = loss + dummy
+
+    Harmless under ZeRO-1/2; under ZeRO-3 backward fails:
+
+    * adapter also used in the forward: ``RuntimeError: Function SumBackward0
+      returned an invalid gradient at index 0 - got [0] but expected shape
+      compatible with [48]`` (or the reverse, [12480] vs [0]);
+    * adapter not used in the forward: ``RuntimeError: 0 != 48 Cannot reduce
+      scatter gradients whose size is not same as the params`` (stage3.py,
+      ``__reduce_and_partition_ipg_grads``).
+
+Cause
+    Outside its module's forward a ZeRO-3 parameter is not gathered: its
+    ``.data`` is an empty placeholder of shape [0].  ``p.sum()`` records that
+    shape in the autograd graph, so the gradient the term sends back has shape
+    [0] while the parameter, gathered again for backward, has its real shape (or
+    the reduce step expects ``ds_numel`` elements).
+
+Affected versions
+    Every ZeRO-3 release: reproduced on DeepSpeed 0.14.1, 0.16.9 and 0.19.8
+    (CPU, 1 and 2 ranks, ``stage3_param_persistence_threshold: 0``).  No
+    upstream fix: the term is wrong for a partitioned parameter.
+
+Flag
+    ``ZEROSHIM_ZERO3_DUMMY_LOSS=auto|on|off`` (default ``auto``).
+
+Fix
+    ``DeepSpeedEngine.backward(loss)`` (which HF Trainer and accelerate call too)
+    is wrapped.  Under ZeRO-3 it walks the loss's autograd graph once and finds
+    multiplications by a literal or constant zero (``* 0.0``, ``* 0``,
+    ``* torch.tensor(0.)``, either operand) whose other operand's subgraph
+    reaches ZeRO-3 parameters directly, i.e. not through DeepSpeed's module
+    hooks (a term built from parameters outside their module's forward).  Those
+    multiplication nodes get a pre-hook that makes their incoming gradient
+    undefined, so autograd sends nothing into the term: the step is exactly the
+    step without it (0 x anything contributes nothing).  A parameter whose only
+    path was the cut term still has its DeepSpeed gradient hook fire, with
+    ``param.grad`` None; for those parameters only,
+    ``reduce_ready_partitions_and_remove_grads`` is skipped, as if the hook had
+    not fired (DeepSpeed's own count of fired hooks is left intact).
+    Zero-multiplications that do not reach ZeRO-3 parameters, or that reach
+    them through the module hooks (``loss * 0`` to skip a batch), are left
+    alone, and ZeRO-1/2 and non-DeepSpeed runs are untouched.  The number of
+    stripped terms is logged once per engine.
+
+Undo
+    ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``
+    and ``DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require, require_attr
+
+NAME = "zero3_dummy_loss"
+log = logging.getLogger("zeroshim")
+
+_MUL_NODES = ("MulBackward0", "MulBackward1")
+# ids of the parameters whose only gradient path was cut, for the backward now
+# running (ids, not a WeakSet: tensors compare elementwise; parameters outlive it).
+_cut_params: set = set()
+_announced: "weakref.WeakSet" = weakref.WeakSet()
+#: terms stripped since import (introspection and tests)
+stats = {"stripped": 0, "backward_calls_walked": 0}
+
+
+def _is_zero(value) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    if getattr(value, "requires_grad", True) or getattr(value, "numel", lambda: 0)() != 1:
+        return False
+    return bool(value == 0)
+
+
+def _saved(node, name):
+    try:
+        return getattr(node, name)
+    except (AttributeError, RuntimeError):  # not saved, or already freed
+        return None
+
+
+def _zero_multiplication(node) -> bool:
+    """A Mul node every input edge of which receives a zero gradient."""
+    if type(node).__name__ not in _MUL_NODES:
+        return False
+    edges = [fn for fn, _ in node.next_functions]
+    # d/dself = grad * other, d/dother = grad * self
+    zero_for = (_is_zero(_saved(node, "_saved_other")), _is_zero(_saved(node, "_saved_self")))
+    return any(e is not None for e in edges) and all(
+        edge is None or (zero_for[i] if i < 2 else False) for i, edge in enumerate(edges))
+
+
+def _is_deepspeed_hook_node(node) -> bool:
+    forward_cls = getattr(node, "_forward_cls", None)
+    return forward_cls is not None and getattr(forward_cls, "__module__", "").startswith("deepspeed")
+
+
+def _direct_zero3_params(node):
+    """ZeRO-3 parameters reached from ``node`` without passing DeepSpeed's
+    module hooks; None if a hook node is met (the term went through a module's
+    forward, where parameters were gathered: nothing to fix)."""
+    params, seen, stack = [], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if _is_deepspeed_hook_node(current):
+            return None
+        variable = getattr(current, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            if hasattr(variable, "ds_id"):
+                params.append(variable)
+            continue
+        stack.extend(fn for fn, _ in current.next_functions)
+    return params
+
+
+def _undefined(grad_outputs):
+    return tuple(None for _ in grad_outputs)
+
+
+def strip_zero_terms(loss) -> int:
+    """Cut the zero-weighted terms of ``loss``'s graph that reach ZeRO-3
+    parameters directly; returns how many were cut."""
+    root = getattr(loss, "grad_fn", None)
+    cut, seen, stack = 0, set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if _zero_multiplication(node):
+            params = _direct_zero3_params(node)
+            if params:
+                node.register_prehook(_undefined)
+                _cut_params.update(id(p) for p in params)
+                cut += 1
+                continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return cut
+
+
+# -- wrappers -------------------------------------------------------------------------
+def _engine_backward(wrapped, instance, args, kwargs):
+    cut = 0
+    with guard(NAME):
+        if is_active(NAME) and args and instance.zero_optimization_stage() == 3:
+            _cut_params.clear()
+            cut = strip_zero_terms(args[0])
+            stats["stripped"] += cut
+            stats["backward_calls_walked"] += 1
+            if cut and instance not in _announced:
+                _announced.add(instance)
+                log.info("zeroshim[%s]: stripped %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters "
+                         "from backward (they contribute nothing; under ZeRO-3 they crash backward). Logged once "
+                         "per engine.", NAME, cut)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if cut:
+            _cut_params.clear()
+
+
+def _reduce_ready(wrapped, instance, args, kwargs):
+    with guard(NAME):
+        if args and _cut_params and args[0].grad is None and id(args[0]) in _cut_params:
+            return None  # its only gradient path was a stripped zero term: as if the hook had not fired
+    return wrapped(*args, **kwargs)
+
+
+# -- applying -------------------------------------------------------------------------
+def patch_engine(module, patcher: Patcher) -> None:
+    engine_cls = getattr(module, "DeepSpeedEngine", None)
+    require(engine_cls is not None, "deepspeed.runtime.engine.DeepSpeedEngine does not exist")
+    require_attr(engine_cls, "backward")
+    require_attr(engine_cls, "zero_optimization_stage")
+    patcher.wrap(engine_cls, "backward", _engine_backward)
+
+
+def patch_stage3(module, patcher: Patcher) -> None:
+    cls = getattr(module, "DeepSpeedZeroOptimizer_Stage3", None)
+    require(cls is not None, "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 does not exist")
+    require_attr(cls, "reduce_ready_partitions_and_remove_grads")
+    patcher.wrap(cls, "reduce_ready_partitions_and_remove_grads", _reduce_ready)
+
+
+def _forget() -> None:
+    _cut_params.clear()
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="zero-weighted dummy loss over ZeRO-3 parameters: 'SumBackward0 returned an invalid gradient'",
+    signatures=(
+        r"Function SumBackward0 returned an invalid gradient at index 0 - got \[\d*\] but expected shape "
+        r"compatible with \[[\d, ]*\]",
+        r"\d+ != \d+ Cannot reduce scatter gradients whose size is not same as the params",
+    ),
+    affects={"deepspeed": ""},
+    targets={
+        "deepspeed.runtime.engine": patch_engine,
+        "deepspeed.runtime.zero.stage3": patch_stage3,
+    },
+    on_undo=_forget,
+)

@@ -1,0 +1,119 @@
+"""Scenario for patch ``zero3_dummy_loss``.
+
+``dummy = <sum over adapter parameters> * <zero>`` added to the loss, in every
+combination of: adapter used in the forward or not; term built inside the
+model's forward or outside it; zero written ``0.0``, ``0`` or
+``torch.tensor(0.)``.  Reference: the same model and batch without the dummy
+line.  Phases in one process per rank: without zeroshim (reference and
+failing runs), with zeroshim (ZeRO-3 runs; ZeRO-2 and ZeRO-0 runs with the
+dummy, patched and unpatched, must be identical and strip nothing).
+"""
+
+import argparse
+
+import torch
+import torch.nn as nn
+
+from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
+                    versions, write_results)
+
+deepspeed = import_deepspeed()
+STEPS = 2
+ZEROS = {"0.0": lambda: 0.0, "0": lambda: 0, "tensor": lambda: torch.tensor(0.)}
+PLACEMENTS = ("used_inside", "used_outside", "unused_inside", "unused_outside")
+
+
+def dummy_term(module, zero):
+    return sum(p.sum() for p in module.adapter.parameters()) * zero
+
+
+class Net(nn.Module):
+    def __init__(self, use_adapter: bool, zero=None):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.adapter = nn.Sequential(nn.Linear(16, 4, bias=False), nn.Linear(4, 16))  # LoRA-like
+        self.head = nn.Linear(16, 1)
+        self.use_adapter, self.zero = use_adapter, zero
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.use_adapter:
+            h = h + self.adapter(h)
+        loss = self.head(h).float().pow(2).mean()
+        if self.zero is not None:
+            loss = loss + dummy_term(self, self.zero)
+        return loss
+
+
+def train_whole_loss_zero(stage) -> dict:
+    """``loss * 0.0`` (skipping a batch): reaches the parameters only through
+    DeepSpeed's module hooks, where they were gathered; must not be touched."""
+    torch.manual_seed(0)
+    model = Net(use_adapter=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).to(engine.module.body.weight.dtype)
+    engine.backward(engine(x) * 0.0)
+    engine.step()
+    return param_digest(engine.module)
+
+
+def train(stage, placement, zero_name=None) -> dict:
+    torch.manual_seed(0)
+    zero = ZEROS[zero_name]() if zero_name else None
+    inside = zero is not None and placement.endswith("inside")
+    model = Net(use_adapter=placement.startswith("used"), zero=zero if inside else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    gen = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen).to(engine.module.body.weight.dtype)
+        loss = engine(x)
+        if zero is not None and not inside:
+            loss = loss + dummy_term(engine.module, zero)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine.module)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    init_distributed()
+    results = {"versions": versions()}
+    for used in ("used", "unused"):
+        results[f"reference/{used}"] = attempt(train, 3, f"{used}_inside")
+    for placement in PLACEMENTS:
+        for zero in ZEROS:
+            results[f"without/{placement}/{zero}"] = attempt(train, 3, placement, zero)
+    for stage in (0, 2):
+        results[f"z{stage}/without"] = attempt(train, stage, "unused_outside", "0.0")
+    results["whole_loss_zero/without"] = attempt(train_whole_loss_zero, 3)
+
+    zeroshim = enable_zeroshim()
+    from zeroshim.patches import zero3_dummy_loss as patch
+
+    results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
+    for placement in PLACEMENTS:
+        for zero in ZEROS:
+            before = patch.stats["stripped"]
+            run = attempt(train, 3, placement, zero)
+            run["stripped"] = patch.stats["stripped"] - before
+            results[f"with/{placement}/{zero}"] = run
+    for stage in (0, 2):
+        before = patch.stats["stripped"]
+        run = attempt(train, stage, "unused_outside", "0.0")
+        run["stripped"] = patch.stats["stripped"] - before
+        results[f"z{stage}/with"] = run
+    before = patch.stats["stripped"]
+    run = attempt(train_whole_loss_zero, 3)
+    run["stripped"] = patch.stats["stripped"] - before
+    results["whole_loss_zero/with"] = run
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Patch zero3_dummy_loss against real DeepSpeed (scenarios/dummy_loss.py), 1 and 2 ranks."""
+
+import re
+
+import pytest
+
+import zeroshim
+from harness import torchrun
+
+pytestmark = pytest.mark.deepspeed
+PATCH = zeroshim.get_patch("zero3_dummy_loss")
+PLACEMENTS = ("used_inside", "used_outside", "unused_inside", "unused_outside")
+ZEROS = ("0.0", "0", "tensor")
+SIGNATURE = {"used": PATCH.signatures[0], "unused": PATCH.signatures[1]}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def ranks(request, tmp_path_factory):
+    return torchrun("dummy_loss.py", request.param, tmp_path_factory.mktemp(f"dummy{request.param}"))["ranks"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("zero", ZEROS)
+def test_fails_without_zeroshim(ranks, placement, zero):
+    for rank in ranks:
+        run = rank[f"without/{placement}/{zero}"]
+        assert not run["ok"], "the dummy loss trained without zeroshim: the test cannot fail"
+        assert re.search(SIGNATURE[placement.split("_")[0]], run["error"]), run["error"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("zero", ZEROS)
+def test_trains_with_zeroshim_exactly_as_without_the_dummy_line(ranks, placement, zero):
+    for rank in ranks:
+        run, ref = rank[f"with/{placement}/{zero}"], rank[f"reference/{placement.split('_')[0]}"]
+        assert ref["ok"], ref.get("error")
+        assert run["ok"], run.get("error")
+        assert run["stripped"] == 2  # one term per step, 2 steps
+        assert run["losses"] == ref["losses"]
+        assert run["param_sha256"] == ref["param_sha256"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_zero2_and_no_zero_are_untouched(ranks, stage):
+    for rank in ranks:
+        with_, without = rank[f"z{stage}/with"], rank[f"z{stage}/without"]
+        assert without["ok"] and with_["ok"]
+        assert with_["stripped"] == 0
+        assert with_["param_sha256"] == without["param_sha256"]
+
+
+def test_zero_multiplication_through_module_hooks_is_left_alone(ranks):
+    for rank in ranks:
+        with_, without = rank["whole_loss_zero/with"], rank["whole_loss_zero/without"]
+        assert without["ok"], without.get("error")
+        assert with_["ok"] and with_["stripped"] == 0
+        assert with_["param_sha256"] == without["param_sha256"]
+
+
+def test_status(ranks):
+    assert ranks[0]["status"]["zero3_dummy_loss"]["state"] == "applied"

@@ -1,0 +1,46 @@
+"""The graph walk of zero3_dummy_loss on plain torch graphs (no DeepSpeed)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from zeroshim.patches import zero3_dummy_loss as z  # noqa: E402
+
+
+def test_recognises_zero_factors():
+    x = torch.randn(3, requires_grad=True)
+    for term in (x.sum() * 0.0, x.sum() * 0, x.sum() * torch.tensor(0.), 0.0 * x.sum(), torch.tensor(0.) * x.sum()):
+        assert z._zero_multiplication(term.grad_fn), term.grad_fn
+    for term in (x.sum() * 2.0, x.sum() * torch.tensor(1e-30), x.sum() * x.sum()):
+        assert not z._zero_multiplication(term.grad_fn), term.grad_fn
+
+
+def test_leaves_graphs_without_zero3_parameters_alone():
+    w = torch.nn.Parameter(torch.randn(4))
+    loss = (w * 2).sum() + w.sum() * 0.0
+    assert z.strip_zero_terms(loss) == 0  # no ds_id: not a ZeRO-3 parameter
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((4,), 2.0))
+
+
+def test_cuts_a_term_over_a_partitioned_parameter():
+    w = torch.nn.Parameter(torch.randn(4))
+    a = torch.nn.Parameter(torch.randn(4))
+    a.ds_id = 7  # what ZeRO-3 sets on a partitioned parameter
+    loss = (w * 2).sum() + a.sum() * 0.0
+    assert z.strip_zero_terms(loss) == 1
+    assert id(a) in z._cut_params
+    loss.backward()
+    assert a.grad is None  # the term sent nothing
+    assert torch.equal(w.grad, torch.full((4,), 2.0))
+    z._cut_params.clear()
+
+
+def test_walk_leaves_a_deep_graph_intact():
+    layers = [torch.nn.Linear(16, 16) for _ in range(32)]
+    h = torch.randn(2, 16)
+    for layer in layers:
+        h = torch.nn.functional.gelu(layer(h)) + h
+    loss = h.pow(2).mean() + 0.0 * h.sum()  # zero term, but no ZeRO-3 parameter below it
+    assert z.strip_zero_terms(loss) == 0
+    loss.backward()
+    assert all(layer.weight.grad is not None for layer in layers)
