@@ -11,7 +11,6 @@ pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_dummy_loss")
 PLACEMENTS = ("used_inside", "used_outside", "unused_inside", "unused_outside")
 ZEROS = ("0.0", "0", "tensor")
-SIGNATURE = {"used": PATCH.signatures[0], "unused": PATCH.signatures[1]}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
@@ -25,7 +24,9 @@ def test_fails_without_zeroshim(ranks, placement, zero):
     for rank in ranks:
         run = rank[f"without/{placement}/{zero}"]
         assert not run["ok"], "the dummy loss trained without zeroshim: the test cannot fail"
-        assert re.search(SIGNATURE[placement.split("_")[0]], run["error"]), run["error"]
+        # Which of the two errors appears depends on the release: 0.19.8 reports an unused
+        # adapter at the reduce step, 0.14.1 already in SumBackward0.
+        assert any(re.search(sig, run["error"]) for sig in PATCH.signatures), run["error"]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
