@@ -33,6 +33,10 @@ MATRIX = {
     "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
 }
 DEMO_ENV = "ds0.19.8"
+# Environments whose DeepSpeed predates numpy 2 support: numpy 2 is also put in a
+# side directory, and tests/test_numpy2_compat.py runs DeepSpeed with it first on
+# PYTHONPATH (patch numpy2_compat), while the environment itself keeps numpy < 2.
+NUMPY2_SIDE = {"ds0.14.1": "numpy==2.4.6"}
 
 
 def _env(session, **extra):
@@ -55,9 +59,14 @@ def _install(session, env_name):
 def tests(session, env):
     """The test suite in one pinned environment."""
     _install(session, env)
+    extra = {"ZEROSHIM_TEST_ENV": env}
+    if env in NUMPY2_SIDE:
+        side = os.path.join(session.virtualenv.location, "numpy2")
+        session.install("--no-deps", "--target", side, NUMPY2_SIDE[env])
+        extra["ZEROSHIM_TEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, ZEROSHIM_TEST_ENV=env))
+    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, **extra))
 
 
 @nox.session

@@ -7,6 +7,7 @@ the order in which patches are applied and reported.
 
 PATCH_MODULES = (
     "torch_elastic_compat",
+    "numpy2_compat",
     "nonreentrant_checkpoint",
     "offload_clip_device",
     "zero3_dummy_loss",

@@ -24,8 +24,8 @@ def clean_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCENARIOS), env.get("PYTHONPATH", "")]))
     env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(SCENARIOS)]))
     return env
 
 

@@ -24,8 +24,10 @@ def ds_before(version):
 
 
 # What each patch should do here, written from the evidence (not from the patch declarations).
+NUMPY2 = _versions.base_version(_versions.installed("numpy")) >= _versions.base_version("2")
 EXPECTED = {
     "torch_elastic_compat": "would apply" if ds_before("0.14.4") else "skipped",
+    "numpy2_compat": "would apply" if ds_before("0.14.4") and NUMPY2 else "skipped",
     "nonreentrant_checkpoint": "would apply",
     "offload_clip_device": "would apply" if ds_before("0.14.5") and not ds_before("0.13.0") else "skipped",
     "zero3_dummy_loss": "would apply",

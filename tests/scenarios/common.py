@@ -17,24 +17,24 @@ import torch
 import torch.distributed as dist
 
 
+IMPORT_COMPAT_PATCHES = ("torch_elastic_compat", "numpy2_compat")
+
+
 def import_deepspeed():
     """Import deepspeed *without* zeroshim's fixes.
 
-    DeepSpeed < 0.14.4 cannot even be imported on current torch; there, and
-    only there, zeroshim is imported restricted to ``torch_elastic_compat`` (the
-    least that makes DeepSpeed importable).  :func:`enable_zeroshim` lifts the
-    restriction later."""
-    import torch.distributed.elastic.agent.server.api as api
+    DeepSpeed < 0.14.4 cannot even be imported on current torch (or numpy 2);
+    there, and only there, zeroshim is imported restricted to its import-compat
+    patches (the least that makes DeepSpeed importable; each still follows its
+    own version gate).  :func:`enable_zeroshim` lifts the restriction later."""
+    from importlib.metadata import version
 
-    if not hasattr(api, "_get_socket_with_port"):
-        from importlib.metadata import version
+    from packaging.version import Version
 
-        from packaging.version import Version
+    if Version(version("deepspeed")) < Version("0.14.4"):
+        import zeroshim
 
-        if Version(version("deepspeed")) < Version("0.14.4"):
-            import zeroshim
-
-            zeroshim.configure(only=["torch_elastic_compat"])
+        zeroshim.configure(only=list(IMPORT_COMPAT_PATCHES))
     import deepspeed
 
     return deepspeed
