@@ -13,7 +13,6 @@ offload (fp32 partitions on the GPU, so no mismatch).
 """
 
 import argparse
-import sys
 
 import torch
 import torch.nn as nn

@@ -15,7 +15,6 @@ if "--zeroshim" in sys.argv:
     import zeroshim  # noqa: F401  (first, before torch: patched by post-import hooks)
 
 import argparse
-import os
 import tempfile
 
 import torch
