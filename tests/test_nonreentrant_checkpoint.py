@@ -48,9 +48,9 @@ def test_trains_with_zeroshim_and_matches_nonreentrant_reference(outcome, stage)
 def test_all_ranks_agree(outcome):
     nproc, ranks = outcome
     assert len(ranks) == nproc
-    for stage in (2, 3):
-        digests = {r[f"patched/z{stage}"]["param_sha256"] for r in ranks}
-        assert len(digests) == 1, "ranks disagree on the parameters after training"
+    # ZeRO-2 keeps full parameters on every rank (ZeRO-3 digests are per-rank shards).
+    digests = {r["patched/z2"]["param_sha256"] for r in ranks}
+    assert len(digests) == 1, "ranks disagree on the parameters after training"
 
 
 def test_without_zero_nothing_changes(outcome):

@@ -56,7 +56,7 @@ def train(stage: int, use_reentrant: bool) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"losses": losses, "grad_fn": model.grad_fn_seen, **param_digest(engine.module)}
+    return {"losses": losses, "grad_fn": model.grad_fn_seen, **param_digest(engine)}
 
 
 def run_all(tag: str, use_reentrant: bool, stages) -> dict:

@@ -31,7 +31,7 @@ def import_deepspeed():
 
     from packaging.version import Version
 
-    if Version(version("deepspeed")) < Version("0.14.4"):
+    if "zeroshim" not in sys.modules and Version(version("deepspeed")) < Version("0.14.4"):
         import zeroshim
 
         zeroshim.configure(only=list(IMPORT_COMPAT_PATCHES))
@@ -90,28 +90,33 @@ def attempt(fn, *args, **kwargs) -> dict:
         return {"ok": False, "error": describe(exc)}
 
 
-def param_digest(module: torch.nn.Module, values: bool = False) -> dict:
-    """Per-parameter float64 sums and a hash of all bytes (parameters gathered under ZeRO-3)."""
-    params = list(module.parameters())
-    gathered = [p for p in params if hasattr(p, "ds_id")]
-    if gathered:
-        import deepspeed
+def param_digest(engine, values: bool = False) -> dict:
+    """Per-parameter float64 sums and a SHA-256 of the parameters of
+    ``engine.module`` as this rank holds them.
 
-        ctx = deepspeed.zero.GatheredParameters(gathered, modifier_rank=None)
-    else:
-        import contextlib
-
-        ctx = contextlib.nullcontext()
-    with ctx:
-        digest = hashlib.sha256()
-        sums, flat = {}, []
-        for name, p in module.named_parameters():
-            data = p.detach().float().cpu().contiguous()
-            digest.update(data.numpy().tobytes())
-            sums[name] = float(data.double().sum())
-            if values:
-                flat.extend(data.flatten().tolist())
-    out = {"param_sha256": digest.hexdigest(), "param_sums": sums}
+    Under ZeRO-3 that is the rank's own shard (``ds_tensor``), read without any
+    collective: gathering full parameters for the digest once read
+    uninitialised memory on one rank under CPU load (DeepSpeed 0.14.1, 2 ranks;
+    the other rank's gathered view of the same shard was correct).  Compare
+    digests rank by rank."""
+    digest = hashlib.sha256()
+    sums, flat = {}, []
+    zero3 = False
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, p in engine.module.named_parameters():
+        tensor = getattr(p, "ds_tensor", None)
+        if tensor is not None:
+            zero3 = True
+            # Shards are padded to equal size; the padding is uninitialised memory.
+            shard = tensor.numel()
+            valid = max(0, min(shard, p.ds_numel - rank * shard))
+            tensor = tensor.flatten()[:valid]
+        data = (tensor if tensor is not None else p).detach().float().cpu().contiguous()
+        digest.update(data.numpy().tobytes())
+        sums[name] = float(data.double().sum())
+        if values:
+            flat.extend(data.flatten().tolist())
+    out = {"param_sha256": digest.hexdigest(), "param_sums": sums, "zero3_local_shards": zero3}
     if values:
         out["param_values"] = flat
     return out

@@ -67,7 +67,7 @@ def train(device, offload: bool) -> dict:
         losses.append(loss.item())
         norm = engine.get_global_grad_norm()
         norms.append(float(norm))
-    return {"losses": losses, "grad_norms": norms, **param_digest(engine.module, values=True)}
+    return {"losses": losses, "grad_norms": norms, **param_digest(engine, values=True)}
 
 
 def fake_cuda_unscale(device) -> dict:

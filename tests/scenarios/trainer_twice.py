@@ -112,7 +112,7 @@ def train(reentrant_kwargs) -> dict:
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return {"losses": losses, "epoch": trainer.state.epoch, "global_step": trainer.state.global_step,
-                **param_digest(trainer.model_wrapped.module)}
+                **param_digest(trainer.model_wrapped)}
 
 
 def main():
