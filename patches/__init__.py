@@ -11,4 +11,5 @@ PATCH_MODULES = (
     "nonreentrant_checkpoint",
     "offload_clip_device",
     "zero3_dummy_loss",
+    "epoch_boundary",
 )

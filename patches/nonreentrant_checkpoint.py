@@ -45,7 +45,8 @@ Fix
     by transformers' ``gradient_checkpointing_enable`` (its default kwargs, or
     the user's ``gradient_checkpointing_kwargs``), default arguments, and
     ``checkpoint_sequential``.  Engines are tracked by wrapping
-    ``DeepSpeedEngine.__init__`` (weak references).  Without a ZeRO engine,
+    ``DeepSpeedEngine.__init__`` (weak references; one wrapper shared with other
+    patches, ``zeroshim/_engines.py``).  Without a ZeRO engine,
     nothing changes.  The switch is logged once (INFO).
 
     Numerics: the recomputation is the same forward; the run matches a
@@ -62,40 +63,32 @@ Fix
 Undo
     ``zeroshim.unpatch("nonreentrant_checkpoint")`` restores
     ``CheckpointFunction.apply`` (the inherited classmethod) and
-    ``DeepSpeedEngine.__init__`` exactly, and forgets the tracked engines.
+    ``DeepSpeedEngine.__init__`` exactly (once no other patch needs engine
+    tracking), and forgets the tracked engines.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 
+from zeroshim import _engines
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr, require_params
 
 NAME = "nonreentrant_checkpoint"
 log = logging.getLogger("zeroshim")
 
-# Live DeepSpeed engines with ZeRO stage >= 1 (weakly held) -> their stage.
-_zero_engines: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+# Live DeepSpeed engines with ZeRO stage >= 1 (weakly held) -> their stage (shared, zeroshim/_engines.py).
+_zero_engines = _engines.engines
 _announced = False
 
 
 def active_zero_stage() -> int:
     """The highest ZeRO stage of a live DeepSpeed engine, 0 if there is none."""
-    return max(_zero_engines.values(), default=0)
+    return _engines.max_stage()
 
 
 # -- wrappers -------------------------------------------------------------------------
-def _track_engine(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    with guard(NAME):
-        stage = int(instance.zero_optimization_stage() or 0)
-        if stage >= 1:
-            _zero_engines[instance] = stage
-    return result
-
-
 def _reentrant_apply(wrapped, instance, args, kwargs):
     """Wraps ``CheckpointFunction.apply(function, preserve_rng_state, *args)``."""
     reroute = None
@@ -142,16 +135,11 @@ def patch_torch_checkpoint(module, patcher: Patcher) -> None:
 
 
 def patch_deepspeed_engine(module, patcher: Patcher) -> None:
-    engine_cls = getattr(module, "DeepSpeedEngine", None)
-    require(engine_cls is not None, "deepspeed.runtime.engine.DeepSpeedEngine does not exist")
-    require(callable(getattr(engine_cls, "zero_optimization_stage", None)),
-            "DeepSpeedEngine.zero_optimization_stage does not exist")
-    patcher.wrap(engine_cls, "__init__", _track_engine)
+    _engines.use(NAME, module, patcher)
 
 
 def _forget() -> None:
     global _announced
-    _zero_engines.clear()
     _announced = False
 
 

@@ -31,6 +31,7 @@ EXPECTED = {
     "nonreentrant_checkpoint": "would apply",
     "offload_clip_device": "would apply" if ds_before("0.14.5") and not ds_before("0.13.0") else "skipped",
     "zero3_dummy_loss": "would apply",
+    "epoch_boundary": "would apply",
 }
 
 

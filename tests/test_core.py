@@ -326,3 +326,21 @@ def test_report_lists_every_patch():
     text = zeroshim.report()
     for name in zeroshim.patch_names():
         assert name in text
+
+
+def test_patcher_recognises_its_own_wrapper_and_does_not_wrap_twice():
+    from zeroshim._patcher import Patcher, is_patched_by
+
+    class Owner:
+        def f(self):
+            return 1
+
+    original = vars(Owner)["f"]
+    first, second = Patcher("one"), Patcher("one")
+    wrapper = first.wrap(Owner, "f", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 1)
+    assert is_patched_by(wrapper) and is_patched_by(wrapper, "one") and not is_patched_by(wrapper, "two")
+    assert not is_patched_by(original)
+    assert second.wrap(Owner, "f", lambda *a: None) is wrapper  # already wrapped by this patch
+    assert Owner().f() == 2
+    first.undo()
+    assert vars(Owner)["f"] is original

@@ -14,7 +14,7 @@ Flags (environment, read at import; see ``zeroshim/_flags.py``)::
     ZEROSHIM_LOG_LEVEL=INFO      log to stderr
 
 Python API: :func:`configure`, :func:`apply`, :func:`unpatch`, :func:`status`,
-:func:`report`.
+:func:`report`, and :func:`epoch_boundary` for custom training loops.
 """
 
 from __future__ import annotations
@@ -30,8 +30,24 @@ __version__ = "0.1.0"
 __all__ = [
     "APPLIED", "DISABLED", "FAILED", "PENDING", "SKIPPED", "Patch", "PatchStatus",
     "apply", "configure", "get_patch", "is_applied", "patch_names", "report",
-    "reset_overrides", "status", "unpatch", "__version__",
+    "reset_overrides", "status", "unpatch", "epoch_boundary", "__version__",
 ]
+
+
+def epoch_boundary(engine=None) -> dict:
+    """Call between epochs of a custom training loop: release every gathered
+    ZeRO-3 parameter of ``engine`` (default: every live ZeRO-3 engine), collect
+    garbage, empty the accelerator caches and return freed heap to the OS
+    (glibc ``malloc_trim``).  HF Trainer's epoch end and a re-iterated
+    DataLoader given to ``deepspeed.initialize`` do this by themselves (patch
+    ``epoch_boundary``).  Works whatever that patch's flag says.  Returns what
+    was done (see ``zeroshim.patches.epoch_boundary.epoch_boundary``)."""
+    from importlib import import_module
+
+    from ._core import load_patches
+
+    load_patches()
+    return import_module("zeroshim.patches.epoch_boundary").epoch_boundary(engine)
 
 _configure_logging()
 _sync()  # apply what is imported, hook the rest; idempotent

@@ -119,6 +119,11 @@ class Patcher:
             self._rebind_aliases(current, wrapped)
         return wrapped
 
+    def on_undo(self, callback: "Callable[[], None]") -> None:
+        """Run ``callback()`` when this patcher is undone (in reverse order with
+        the other changes), e.g. to release a resource shared between patches."""
+        self._changes.append((None, "", callback, None))
+
     def set(self, owner: Any, attr: str, value: Any) -> None:
         """``setattr(owner, attr, value)``, recorded for undo."""
         previous = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
@@ -159,6 +164,9 @@ class Patcher:
                 namespace[key] = original
         self._aliases.clear()
         for owner, attr, previous, value in reversed(self._changes):
+            if owner is None:  # a callback registered with on_undo()
+                previous()
+                continue
             own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
             if own is not value:
                 log.warning("zeroshim[%s]: %r.%s was replaced by someone else after zeroshim patched it; "
@@ -177,7 +185,10 @@ def is_patched_by(obj: Any, patch_name: Optional[str] = None) -> bool:
         return False
     import wrapt
 
-    tag = getattr(obj, "_self_zeroshim_patch", None) if isinstance(obj, wrapt.ObjectProxy) else None
+    # FunctionWrapper, not ObjectProxy: since wrapt 2, ``wrapt.ObjectProxy`` is a
+    # Python subclass of the C proxy that FunctionWrapper derives from, so
+    # isinstance(wrapper, wrapt.ObjectProxy) is False for every wrapper.
+    tag = getattr(obj, "_self_zeroshim_patch", None) if isinstance(obj, wrapt.FunctionWrapper) else None
     return tag is not None and (patch_name is None or tag == patch_name)
 
 

@@ -131,6 +131,9 @@ def main():
     results = {"versions": versions(), "checkpoint_kwargs": kwargs, "run": attempt(train, kwargs)}
     if args.zeroshim:
         results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
+        from zeroshim.patches import epoch_boundary
+
+        results["epoch_boundaries"] = epoch_boundary.stats["boundaries"]  # Trainer's epoch ends (patch epoch_boundary)
     write_results(args.out, results)
 
 
