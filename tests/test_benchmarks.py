@@ -1,0 +1,44 @@
+"""The benchmark scripts in smoke mode (tiny sizes): they must keep running.
+No timing is asserted here; the numbers live in benchmarks/RESULTS.md."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import clean_env, free_port
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.deepspeed
+
+
+def ds_before(version):
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    return Version(installed("deepspeed")) < Version(version)
+
+
+def run(*cmd):
+    proc = subprocess.run([sys.executable, *cmd], env=clean_env(LOCAL_SIZE="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def test_dummy_loss_walk_smoke():
+    assert "walk / backward" in run(str(BENCH / "dummy_loss_walk.py"), "--smoke")
+
+
+def test_epoch_memory_smoke_with_boundaries():
+    out = run("-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port()), str(BENCH / "epoch_memory.py"), "--smoke", "--boundary")
+    assert "after boundary" in out and "losses:" in out
+
+
+@pytest.mark.skipif(ds_before("0.14.4"), reason="the 'without zeroshim' arm cannot import this DeepSpeed")
+def test_overhead_smoke():
+    out = run(str(BENCH / "overhead.py"), "--smoke")
+    assert "import zeroshim" in out and "ZeRO-3 |" in out
