@@ -111,7 +111,6 @@ def test_trainer_hook_acts_only_with_a_live_zero3_engine(monkeypatch):
 
 def test_a_failure_while_freeing_never_breaks_the_epoch(monkeypatch, caplog):
     tc = pytest.importorskip("transformers.trainer_callback")
-    from zeroshim.patches import epoch_boundary as patch
 
     class Engine:
         def zero_optimization_stage(self):
