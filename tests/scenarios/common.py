@@ -55,6 +55,18 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size()
 
 
+def begin():
+    """Start a scenario that takes only ``--out``: parse it, join the process
+    group; returns ``(out_dir, results)``, the results starting with the versions."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = parser.parse_args().out
+    init_distributed()
+    return out, {"versions": versions()}
+
+
 def ds_config(stage: int, *, micro_batch: int = 4, bf16: bool = True, clip: float = 0.0, **zero) -> dict:
     """A DeepSpeed config for CPU tests.  ``stage3_param_persistence_threshold: 0``
     makes ZeRO-3 partition even tiny test parameters (otherwise bugs hide)."""

@@ -9,13 +9,11 @@ failing runs), with zeroshim (ZeRO-3 runs; ZeRO-2 and ZeRO-0 runs with the
 dummy, patched and unpatched, must be identical and strip nothing).
 """
 
-import argparse
 
 import torch
 import torch.nn as nn
 
-from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
-                    versions, write_results)
+from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, param_digest, write_results
 
 deepspeed = import_deepspeed()
 STEPS = 2
@@ -79,11 +77,7 @@ def train(stage, placement, zero_name=None) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    init_distributed()
-    results = {"versions": versions()}
+    out, results = begin()
     for used in ("used", "unused"):
         results[f"reference/{used}"] = attempt(train, 3, f"{used}_inside")
     for placement in PLACEMENTS:
@@ -112,7 +106,7 @@ def main():
     run = attempt(train_whole_loss_zero, 3)
     run["stripped"] = patch.stats["stripped"] - before
     results["whole_loss_zero/with"] = run
-    write_results(args.out, results)
+    write_results(out, results)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ Trainer users often configure).  Phases in one process per rank:
   and the DeepSpeedDataLoader loop, where the boundary must fire by itself.
 """
 
-import argparse
 import gc
 
 import torch
 import torch.nn as nn
 
-from common import attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest, versions, \
-    write_results
+from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, param_digest, write_results
 
 deepspeed = import_deepspeed()
 EPOCHS, STEPS, MICRO, SEQ, VOCAB = 3, 3, 2, 16, 64
@@ -114,11 +112,7 @@ def train(ds_loader=False, boundary=None, leave_gathered=False) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    init_distributed()
-    results = {"versions": versions()}
+    out, results = begin()
     results["reference/custom"] = attempt(train)
     results["reference/ds_loader"] = attempt(train, ds_loader=True)
 
@@ -137,7 +131,7 @@ def main():
     run = attempt(train, ds_loader=True)
     run["automatic_boundaries"] = patch.stats["boundaries"] - before
     results["off/ds_loader"] = run
-    write_results(args.out, results)
+    write_results(out, results)
 
 
 if __name__ == "__main__":
