@@ -93,7 +93,7 @@ import weakref
 
 from zeroshim import _engines
 from zeroshim._core import Patch, is_active
-from zeroshim._patcher import Patcher, guard, require, require_attr
+from zeroshim._patcher import Patcher, guard, require_attr
 
 NAME = "epoch_boundary"
 log = logging.getLogger("zeroshim")
@@ -224,21 +224,16 @@ def _dataloader_iter(wrapped, instance, args, kwargs):
 
 # -- applying -------------------------------------------------------------------------
 def patch_deepspeed_engine(module, patcher: Patcher) -> None:
-    require(hasattr(module, "DeepSpeedEngine"), "deepspeed.runtime.engine.DeepSpeedEngine does not exist")
-    require_attr(module.DeepSpeedEngine, "empty_partition_cache")
+    require_attr(require_attr(module, "DeepSpeedEngine"), "empty_partition_cache")
     _engines.use(NAME, module, patcher)
 
 
 def patch_deepspeed_dataloader(module, patcher: Patcher) -> None:
-    require(hasattr(module, "DeepSpeedDataLoader"), "deepspeed.runtime.dataloader.DeepSpeedDataLoader does not exist")
-    require_attr(module.DeepSpeedDataLoader, "__iter__")
-    patcher.wrap(module.DeepSpeedDataLoader, "__iter__", _dataloader_iter)
+    patcher.wrap(require_attr(module, "DeepSpeedDataLoader"), "__iter__", _dataloader_iter)
 
 
 def patch_trainer_callbacks(module, patcher: Patcher) -> None:
-    require(hasattr(module, "CallbackHandler"), "transformers.trainer_callback.CallbackHandler does not exist")
-    require_attr(module.CallbackHandler, "on_epoch_end")
-    patcher.wrap(module.CallbackHandler, "on_epoch_end", _trainer_epoch_end)
+    patcher.wrap(require_attr(module, "CallbackHandler"), "on_epoch_end", _trainer_epoch_end)
 
 
 def _forget() -> None:

@@ -13,6 +13,14 @@ SCENARIOS = Path(__file__).parent / "scenarios"
 TIMEOUT = int(os.environ.get("ZEROSHIM_TEST_TIMEOUT", "900"))
 
 
+def ds_before(version: str) -> bool:
+    """True if the installed DeepSpeed is older than ``version`` (pre-releases count as the release)."""
+    from zeroshim import _versions
+
+    installed = _versions.installed("deepspeed")
+    return installed is not None and _versions.base_version(installed) < _versions.base_version(version)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -7,18 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import clean_env, free_port
+from harness import clean_env, ds_before, free_port
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 pytestmark = pytest.mark.deepspeed
-
-
-def ds_before(version):
-    from importlib.metadata import version as installed
-
-    from packaging.version import Version
-
-    return Version(installed("deepspeed")) < Version(version)
 
 
 def run(*cmd):

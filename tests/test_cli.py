@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 
 import zeroshim
-from harness import clean_env, free_port
+from harness import clean_env, ds_before, free_port
 from zeroshim import _cli, _versions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DS = _versions.installed("deepspeed")
 BIN = Path(sys.executable).parent
-
-
-def ds_before(version):
-    return DS is not None and _versions.base_version(DS) < _versions.base_version(version)
 
 
 # What each patch should do here, written from the evidence (not from the patch declarations).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from ._patcher import Patcher, guard, require
+from ._patcher import Patcher, guard, require, require_attr
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ def _track(wrapped, instance, args, kwargs):
 def use(patch_name: str, module, patcher: Patcher) -> None:
     """Apply-function helper for the target ``deepspeed.runtime.engine``: make
     sure engines are tracked while ``patch_name`` is applied."""
-    engine_cls = getattr(module, "DeepSpeedEngine", None)
-    require(engine_cls is not None, "deepspeed.runtime.engine.DeepSpeedEngine does not exist")
+    engine_cls = require_attr(module, "DeepSpeedEngine")
     require(callable(getattr(engine_cls, "zero_optimization_stage", None)),
             "DeepSpeedEngine.zero_optimization_stage does not exist")
     with _lock:

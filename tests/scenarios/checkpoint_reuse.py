@@ -86,12 +86,15 @@ def main() -> None:
     from torch.utils.checkpoint import CheckpointFunction
 
     from zeroshim import _engines
+    from zeroshim._patcher import is_patched_by
 
-    # DeepSpeedEngine.__init__ stays wrapped while another patch (epoch_boundary) tracks engines.
+    # DeepSpeedEngine.__init__ stays wrapped (by the shared engine tracker only) while
+    # another patch (epoch_boundary) tracks engines; otherwise it is the original function.
+    init = vars(DeepSpeedEngine)["__init__"]
     results["undo_restored"] = ("apply" not in vars(CheckpointFunction)
                                 and "nonreentrant_checkpoint" not in _engines.users()
-                                and (type(vars(DeepSpeedEngine)["__init__"]).__name__ == "function"
-                                     or bool(_engines.users())))
+                                and (is_patched_by(init, _engines.PATCH_NAME) if _engines.users()
+                                     else type(init).__name__ == "function"))
     results.update(run_all("undone", True, stages))
     write_results(args.out, results)
 
