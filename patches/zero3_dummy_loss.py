@@ -90,15 +90,43 @@ def _saved(node, name):
         return None
 
 
-def _zero_multiplication(node) -> bool:
-    """A Mul node every input edge of which receives a zero gradient."""
-    if type(node).__name__ not in _MUL_NODES:
+def _candidate(node) -> bool:
+    """Could ``node`` be a multiplication by a zero?  Decided from its type and
+    edges alone, without reading a saved tensor: inside a non-reentrant
+    checkpoint, reading one runs the checkpointed forward again (and keeps what
+    it recomputed alive until backward)."""
+    name = type(node).__name__
+    if name not in _MUL_NODES:
         return False
     edges = [fn for fn, _ in node.next_functions]
-    # d/dself = grad * other, d/dother = grad * self
-    zero_for = (_is_zero(_saved(node, "_saved_other")), _is_zero(_saved(node, "_saved_self")))
-    return any(e is not None for e in edges) and all(
-        edge is None or (zero_for[i] if i < 2 else False) for i, edge in enumerate(edges))
+    if name == "MulBackward1":  # tensor * Python number
+        return len(edges) == 1 and edges[0] is not None
+    # tensor * tensor: a zero factor needs no grad (its edge is None), the other side carries the term.
+    return len(edges) == 2 and sum(edge is not None for edge in edges) == 1
+
+
+def _zero_multiplication(node) -> bool:
+    """A Mul node whose gradient-carrying input is multiplied by a zero that
+    needs no grad (``* 0.0``, ``* 0``, ``* torch.tensor(0.)``, either side).
+    Reads only the zero's saved value."""
+    if not _candidate(node):
+        return False
+    edges = [fn for fn, _ in node.next_functions]
+    # d/dself = grad * other, d/dother = grad * self: the factor is the other operand.
+    factor = "_saved_other" if edges[0] is not None else "_saved_self"
+    return _is_zero(_saved(node, factor))
+
+
+def _zero_term_params(node):
+    """The ZeRO-3 parameters a zero-weighted term rooted at ``node`` reaches
+    directly (see :func:`_direct_zero3_params`), else None.  A tensor factor is
+    read last, only for terms that reach such parameters."""
+    if not _candidate(node):
+        return None
+    if type(node).__name__ == "MulBackward1":  # the factor is a number, free to read
+        return _direct_zero3_params(node) if _zero_multiplication(node) else None
+    params = _direct_zero3_params(node)
+    return params if params and _zero_multiplication(node) else None
 
 
 def _is_deepspeed_hook_node(node) -> bool:
@@ -141,13 +169,12 @@ def strip_zero_terms(loss) -> int:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if _zero_multiplication(node):
-            params = _direct_zero3_params(node)
-            if params:
-                node.register_prehook(_undefined)
-                _cut_params.update(id(p) for p in params)
-                cut += 1
-                continue
+        params = _zero_term_params(node)
+        if params:
+            node.register_prehook(_undefined)
+            _cut_params.update(id(p) for p in params)
+            cut += 1
+            continue
         stack.extend(fn for fn, _ in node.next_functions)
     return cut
 

@@ -44,3 +44,29 @@ def test_walk_leaves_a_deep_graph_intact():
     assert z.strip_zero_terms(loss) == 0
     loss.backward()
     assert all(layer.weight.grad is not None for layer in layers)
+
+
+def test_walk_reads_no_saved_tensor_of_a_checkpointed_block():
+    """Reading a saved tensor of a non-reentrant checkpoint runs the block's
+    forward again (under ZeRO-3: gathers its parameters, and on DeepSpeed <
+    0.19.3 fails the metadata check).  The walk must decide from the graph's
+    shape wherever it can; here nothing reaches a ZeRO-3 parameter."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin, lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    mask = torch.rand(2, 8)
+    runs = []
+
+    def block(h):
+        runs.append(1)
+        h = torch.tanh(lin(h)) * mask  # tensor factor without grad
+        h = h * lin2(h)  # both sides carry gradients
+        return h * 0.5  # number factor
+
+    x = torch.randn(2, 8, requires_grad=True)
+    loss = checkpoint(block, x, use_reentrant=False).sum()
+    assert len(runs) == 1
+    assert z.strip_zero_terms(loss) == 0
+    assert len(runs) == 1, "the walk re-ran the checkpointed forward"
+    loss.backward()
+    assert len(runs) == 2  # backward's own recompute
