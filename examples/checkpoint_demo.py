@@ -10,6 +10,7 @@ stops with "has already been reduced" (ZeRO-2) or an assertion on duplicate
 """
 
 import argparse
+import glob
 import os
 import socket
 import subprocess
@@ -78,6 +79,9 @@ def driver(args):
             print(f"$ {'(with zeroshim) ' if use_zeroshim else ''}torchrun --nproc_per_node 2 checkpoint_demo.py "
                   f"--stage {stage}", flush=True)
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # DeepSpeed's CPU comm op leaves a /dev/shm buffer per rank behind (DeepSpeed #4115).
+            for path in glob.glob(f"/dev/shm/deepspeed_*_{port}_*"):
+                os.unlink(path)
             lines = proc.stdout.splitlines()
             result = next((l[len("RESULT "):] for l in lines if l.startswith("RESULT ")), None)
             if result is None:

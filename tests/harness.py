@@ -21,6 +21,22 @@ def ds_before(version: str) -> bool:
     return installed is not None and _versions.base_version(installed) < _versions.base_version(version)
 
 
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_shm_buffers(port: int) -> None:
+    """Delete the shared-memory all-reduce buffers of the DeepSpeed run that used
+    ``port``.  DeepSpeed's CPU comm op creates one per rank
+    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, 66 MiB on 0.19)
+    and never unlinks it (deepspeedai/DeepSpeed#4115): a test session of
+    hundreds of launches would fill /dev/shm, and ranks then die of SIGKILL/SIGBUS."""
+    for path in SHM_DIR.glob(f"deepspeed_*_{port}_*"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -46,13 +62,17 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, env: dict | Non
     # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))
+    port = free_port()
     cmd = list(launcher or []) + [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(port),
         str(SCENARIOS / script), "--out", str(out_dir), *args,
     ]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT)
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=TIMEOUT)
+    finally:
+        remove_shm_buffers(port)
     (out_dir / "log.txt").write_text(proc.stdout)
     ranks = []
     for rank in range(nproc):
