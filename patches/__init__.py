@@ -9,6 +9,7 @@ PATCH_MODULES = (
     "torch_elastic_compat",
     "numpy2_compat",
     "nonreentrant_checkpoint",
+    "zero3_frozen_recompute",
     "offload_clip_device",
     "zero3_dummy_loss",
     "epoch_boundary",

@@ -25,6 +25,7 @@ EXPECTED = {
     "torch_elastic_compat": "would apply" if ds_before("0.14.4") else "skipped",
     "numpy2_compat": "would apply" if ds_before("0.14.4") and NUMPY2 else "skipped",
     "nonreentrant_checkpoint": "would apply",
+    "zero3_frozen_recompute": "would apply" if ds_before("0.19.3") else "skipped",
     "offload_clip_device": "would apply" if ds_before("0.14.5") and not ds_before("0.13.0") else "skipped",
     "zero3_dummy_loss": "would apply",
     "epoch_boundary": "would apply",
@@ -104,6 +105,7 @@ LOGS = {
     "offload_clip_device_ds0.14.1_h100.log": "offload_clip_device",
     "dummy_loss_used_ds0.19.8_2ranks.log": "zero3_dummy_loss",
     "dummy_loss_unused_ds0.19.8_2ranks.log": "zero3_dummy_loss",
+    "frozen_recompute_ds0.19.2_2ranks.log": "zero3_frozen_recompute",
 }
 
 

@@ -1,0 +1,211 @@
+"""Patch zero3_frozen_recompute against real DeepSpeed: ZeRO-3 + peft LoRA +
+non-reentrant gradient checkpointing (scenarios/lora_recompute.py at 1 and 2
+ranks; scenarios/trainer_lora.py with HF Trainer, 2 ranks, 2 epochs).
+
+Where DeepSpeed has the bug (< 0.19.3) the runs without zeroshim must fail
+with the upstream error; where it is fixed the patch must report itself
+skipped and the same runs pass.  Numerics: the checkpointed runs must equal
+the run without checkpointing exactly (same losses, same parameter shards),
+and their losses must equal those of DeepSpeed 0.19.8 (upstream's fix) within
+bf16 tolerance.  Memory: no parameter left gathered after a step, and no more
+gathered at any point of backward than DeepSpeed 0.19.8 holds.
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+import zeroshim
+from harness import clean_env, ds_before, torchrun
+
+pytestmark = pytest.mark.deepspeed
+PATCH = zeroshim.get_patch("zero3_frozen_recompute")
+AFFECTED = ds_before("0.19.3")
+# Recorded with DeepSpeed 0.19.8 (transformers 5.23, peft 0.21), no zeroshim, by
+# tests/fixtures/make_lora_recompute_fixture.py; test_fixture_is_reproduced checks it there.
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "lora_recompute_ds0.19.8.json").read_text())
+BF16_RTOL = 2.0 ** -8  # half a bf16 ulp at 1.0
+MODES = ("nonreentrant", "reentrant")
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def ranks(request, tmp_path_factory):
+    return torchrun("lora_recompute.py", request.param, tmp_path_factory.mktemp(f"lora{request.param}"))["ranks"]
+
+
+def test_status(ranks):
+    state = ranks[0]["status"][PATCH.name]
+    assert state["state"] == ("applied" if AFFECTED else "skipped"), state
+
+
+def test_fails_without_zeroshim_where_upstream_has_the_bug(ranks):
+    for rank in ranks:
+        run = rank["without/nonreentrant"]
+        if AFFECTED:
+            assert not run["ok"], "LoRA + non-reentrant checkpointing trained without zeroshim: the test cannot fail"
+            assert re.search(PATCH.signatures[0], run["error"]), run["error"]
+        else:
+            assert run["ok"], run.get("error")  # upstream's fix (0.19.3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_trains_with_zeroshim_exactly_as_without_checkpointing(ranks, mode):
+    for rank in ranks:
+        ref, run = rank["reference"], rank[f"with/{mode}"]
+        assert ref["ok"], ref.get("error")
+        assert run["ok"], run.get("error")
+        assert run["losses"] == ref["losses"]
+        assert run["param_sha256"] == ref["param_sha256"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_losses_match_deepspeed_0_19_8(ranks, mode):
+    expected = FIXTURE["runs"]["without/nonreentrant"][str(len(ranks))]
+    for rank, want in zip(ranks, expected):
+        got = rank[f"with/{mode}"]["losses"]
+        assert len(got) == len(want["losses"])
+        for g, w in zip(got, want["losses"]):
+            assert math.isclose(g, w, rel_tol=BF16_RTOL), (got, want["losses"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_left_gathered(ranks, mode):
+    for rank in ranks:
+        run, ref = rank[f"with/{mode}"], rank["reference"]
+        assert run["left_gathered_after_step"] == [0] * len(run["losses"])
+        # What DeepSpeed itself leaves gathered between backward and step
+        # (this release's first module, without checkpointing), and no more.
+        assert all(a <= b for a, b in zip(run["left_gathered_after_backward"], ref["left_gathered_after_backward"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_holds_no_more_than_upstream(ranks, mode):
+    """Peak of gathered parameter elements during backward (prefetch off):
+    one checkpointed block's frozen weights at a time, as DeepSpeed 0.19.8 -
+    not every frozen weight until the end of backward."""
+    expected = FIXTURE["runs"]["without/nonreentrant"][str(len(ranks))]
+    for rank, want in zip(ranks, expected):
+        run = rank[f"with/{mode}"]
+        assert run["peak_gathered_numel"] <= want["peak_gathered_numel"], (run["peak_gathered_numel"], want)
+        assert run["peak_gathered_numel"] < run["total_numel"] // 2
+
+
+def test_released_at_end_of_backward_when_post_backward_hooks_never_fire(ranks):
+    """TailNormNet: the first block's input needs no grad, so the post-backward
+    hooks of the submodule that owned the re-run never fire.  What it kept is
+    released at the end of backward: nothing more is left gathered than
+    DeepSpeed leaves without checkpointing."""
+    expected = FIXTURE["runs"]["tail_norm/without"][str(len(ranks))]
+    for rank, want in zip(ranks, expected):
+        run, ref, without = rank["tail_norm/with"], rank["tail_norm/reference"], rank["tail_norm/without"]
+        assert ref["ok"], ref.get("error")
+        assert run["ok"], run.get("error")
+        if AFFECTED:
+            assert not without["ok"] and re.search(PATCH.signatures[0], without["error"]), without
+            assert run["patch_stats"]["leftover_params"] > 0  # the end-of-backward path ran
+        else:
+            assert without["ok"], without.get("error")
+        assert run["losses"] == ref["losses"]
+        assert run["param_sha256"] == ref["param_sha256"]
+        assert run["left_gathered_after_step"] == [0] * len(run["losses"])
+        assert all(a <= b for a, b in zip(run["left_gathered_after_backward"], ref["left_gathered_after_backward"]))
+        assert run["peak_gathered_numel"] <= want["peak_gathered_numel"]
+        assert all(math.isclose(g, w, rel_tol=BF16_RTOL) for g, w in zip(run["losses"], want["losses"]))
+
+
+def test_reentrant_recompute_is_left_alone(ranks):
+    """With nonreentrant_checkpoint off, a reentrant checkpoint's re-run (no
+    metadata check; works on every release) is not this patch's business: it
+    must gather exactly what it gathers without zeroshim, not keep frozen
+    weights for the model's whole backward."""
+    for rank in ranks:
+        kept, without, ref = rank["with/reentrant_kept"], rank["without/reentrant"], rank["reference"]
+        assert without["ok"], without.get("error")
+        assert kept["ok"], kept.get("error")
+        assert kept["peak_gathered_numel"] == without["peak_gathered_numel"]
+        assert kept["losses"] == without["losses"] == ref["losses"]
+        assert kept["param_sha256"] == ref["param_sha256"]
+
+
+def test_fixture_is_reproduced(ranks):
+    """In the 0.19.8 environment the fixture's runs are these runs."""
+    if ranks[0]["versions"]["deepspeed"] != FIXTURE["versions"]["deepspeed"]:
+        pytest.skip(f"fixture recorded with DeepSpeed {FIXTURE['versions']['deepspeed']}")
+    for name, per_nproc in FIXTURE["runs"].items():
+        for rank, want in zip(ranks, per_nproc[str(len(ranks))]):
+            assert rank[name]["losses"] == want["losses"]
+            assert rank[name]["peak_gathered_numel"] == want["peak_gathered_numel"]
+
+
+@pytest.mark.skipif(not AFFECTED, reason="patch skipped: DeepSpeed has upstream's fix")
+def test_unpatch_restores_the_originals_exactly():
+    po = pytest.importorskip("deepspeed.runtime.zero.parameter_offload")
+    s3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    from zeroshim._patcher import is_patched_by
+    from zeroshim.patches import zero3_frozen_recompute as patch
+
+    targets = [(po.DeepSpeedZeRoOffload, name) for name in (
+        "pre_sub_module_backward_function", "pre_sub_module_forward_function", "post_sub_module_backward_function")]
+    epilogue = "backward_epilogue" if hasattr(s3.DeepSpeedZeroOptimizer_Stage3, "backward_epilogue") else "backward"
+    targets.append((s3.DeepSpeedZeroOptimizer_Stage3, epilogue))
+    assert zeroshim.status()[PATCH.name].state == "applied"
+    originals = {}
+    for owner, name in targets:
+        assert is_patched_by(vars(owner)[name], PATCH.name), name
+        originals[name] = vars(owner)[name].__wrapped__
+    patch._states[object.__new__(po.DeepSpeedZeRoOffload)] = patch._Owners()  # state of a backward in flight
+    zeroshim.unpatch(PATCH.name)
+    try:
+        for owner, name in targets:
+            assert vars(owner)[name] is originals[name], name
+        assert len(patch._states) == 0
+    finally:
+        zeroshim.apply(PATCH.name)
+    assert zeroshim.status()[PATCH.name].state == "applied"
+
+
+# -- HF Trainer ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    runs = {}
+    for name, flags, extra in (("reference", ["--reference"], {}), ("without", ["--without"], {}),
+                               ("zeroshim", ["--zeroshim"], {}),
+                               ("patch_off", ["--zeroshim"], {PATCH.flag: "off"})):
+        runs[name] = torchrun("trainer_lora.py", 2, tmp_path_factory.mktemp(name), *flags,
+                              env=clean_env(**extra))["ranks"]
+    return runs
+
+
+def test_trainer_without_zeroshim(trainer_runs):
+    for rank in trainer_runs["without"]:
+        if AFFECTED:
+            assert not rank["run"]["ok"], "Trainer + LoRA + checkpointing trained: the test cannot fail"
+            assert re.search(PATCH.signatures[0], rank["run"]["error"]), rank["run"]["error"]
+        else:
+            assert rank["run"]["ok"], rank["run"].get("error")
+
+
+def test_trainer_trains_two_epochs_with_zeroshim_as_without_checkpointing(trainer_runs):
+    for patched, reference in zip(trainer_runs["zeroshim"], trainer_runs["reference"]):
+        assert reference["run"]["ok"], reference["run"].get("error")
+        run = patched["run"]
+        assert run["ok"], run.get("error")
+        assert run["epoch"] == 2.0 and run["global_step"] == 8  # 32 samples / (4 x 2 ranks) x 2 epochs
+        assert run["losses"] == reference["run"]["losses"]
+        assert run["param_sha256"] == reference["run"]["param_sha256"]
+
+
+def test_trainer_needs_this_patch_where_affected(trainer_runs):
+    """With only the other patches (nonreentrant_checkpoint turns transformers
+    4.x's reentrant default into non-reentrant), LoRA would trade one crash for
+    this one."""
+    for rank in trainer_runs["patch_off"]:
+        assert rank["status"][PATCH.name]["state"] in ("disabled", "skipped")
+        if AFFECTED:
+            assert not rank["run"]["ok"]
+            assert re.search(PATCH.signatures[0], rank["run"]["error"]), rank["run"]["error"]
+        else:
+            assert rank["run"]["ok"], rank["run"].get("error")
