@@ -38,3 +38,15 @@ def test_epoch_memory_smoke_with_boundaries():
 def test_overhead_smoke():
     out = run(str(BENCH / "overhead.py"), "--smoke")
     assert "import zeroshim" in out and "ZeRO-3 |" in out
+
+
+@pytest.mark.skipif(ds_before("0.14.4"), reason="the configurations without zeroshim cannot import this DeepSpeed")
+def test_lora_memory_smoke():
+    out = run(str(BENCH / "lora_memory.py"), "--smoke")
+    rows = {line.split(" ", 2)[1]: line for line in out.splitlines() if line.startswith("| a") or
+            line.startswith("| b") or line.startswith("| c")}
+    assert set(rows) == {"a", "a0", "b", "c"}, out
+    assert "→" in rows["a"] and "→" in rows["b"] and "→" in rows["c"], out  # trained
+    if ds_before("0.19.3"):
+        assert "CheckpointError" in rows["a0"], out  # the crash zeroshim fixes
+    assert "(a) / min(b, c), peak:" in out

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -84,6 +85,39 @@ def ds_config(stage: int, *, micro_batch: int = 4, bf16: bool = True, clip: floa
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def trainer_ds_config() -> dict:
+    """The ZeRO-3 config the HF Trainer scenarios pass (Trainer fills the "auto"s)."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def train_with_trainer(model, dataset, checkpointing: bool, checkpointing_kwargs, optimizers=None) -> dict:
+    """HF Trainer, ZeRO-3 (:func:`trainer_ds_config`), CPU, bf16, 4 samples per
+    rank, 2 epochs, a loss logged every step.  ``optimizers``: None (Trainer's
+    own) or a function of the TrainingArguments returning ``(optimizer, scheduler)``."""
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=4, num_train_epochs=2, learning_rate=1e-2,
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=True, seed=0,
+            gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=checkpointing_kwargs,
+            deepspeed=trainer_ds_config(), disable_tqdm=True, dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                          optimizers=optimizers(args) if optimizers else (None, None))
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return {"losses": losses, "epoch": trainer.state.epoch, "global_step": trainer.state.global_step,
+                **param_digest(trainer.model_wrapped)}
 
 
 def describe(exc: BaseException) -> str:

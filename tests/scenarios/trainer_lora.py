@@ -17,15 +17,11 @@ if "--zeroshim" in sys.argv:
     import zeroshim  # noqa: F401  (first, before torch)
 
 import argparse
-import tempfile
 
 import torch
 
-from common import attempt, import_deepspeed, init_distributed, param_digest, versions, write_results
+from common import attempt, init_distributed, train_with_trainer, trainer_ds_config, versions, write_results
 from lora_recompute import SEQ, VOCAB, build_model
-
-import_deepspeed()
-from transformers import Trainer, TrainingArguments  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -39,39 +35,20 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def ds_config():
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    }
-
-
 def train(checkpointing: bool, kwargs) -> dict:
-    model = build_model(ds_config(), zero_init=False)
+    model = build_model(trainer_ds_config(), zero_init=False)
     model.enable_input_require_grads()  # what peft users do for checkpointing with frozen embeddings
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=4, num_train_epochs=2, learning_rate=1e-2,
-            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=True, seed=0,
-            gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=kwargs,
-            deepspeed=ds_config(), disable_tqdm=True, dataloader_num_workers=0,
-        )
+
+    def optimizers(args):
         # Our own optimizer and scheduler, made before DeepSpeed sees them.  With
         # Trainer's defaults, LoRA-only training leaves Trainer's no-decay group
         # empty; ZeRO-3 drops it after the scheduler has recorded two base LRs,
         # and torch 2.13's LR scheduler (zip strict) then fails at the first step,
         # with or without checkpointing and zeroshim.
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
-        trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return {"losses": losses, "epoch": trainer.state.epoch, "global_step": trainer.state.global_step,
-                **param_digest(trainer.model_wrapped)}
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    return train_with_trainer(model, Tokens(), checkpointing, kwargs, optimizers)
 
 
 def main():

@@ -15,16 +15,15 @@ if "--zeroshim" in sys.argv:
     import zeroshim  # noqa: F401  (first, before torch: patched by post-import hooks)
 
 import argparse
-import tempfile
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 from packaging.version import Version
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+from transformers import PretrainedConfig, PreTrainedModel
 
-from common import attempt, import_deepspeed, init_distributed, param_digest, versions, write_results
+from common import attempt, import_deepspeed, init_distributed, train_with_trainer, versions, write_results
 
 import_deepspeed()  # before transformers imports it (old DeepSpeed needs the import-compat patch)
 
@@ -87,32 +86,9 @@ class Data(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def ds_config():
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    }
-
-
 def train(reentrant_kwargs) -> dict:
     torch.manual_seed(0)
-    model = TwiceModel(TwiceConfig())
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=4, num_train_epochs=2, learning_rate=1e-2,
-            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=True, seed=0,
-            gradient_checkpointing=True, gradient_checkpointing_kwargs=reentrant_kwargs,
-            deepspeed=ds_config(), disable_tqdm=True, dataloader_num_workers=0,
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=Data())
-        trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return {"losses": losses, "epoch": trainer.state.epoch, "global_step": trainer.state.global_step,
-                **param_digest(trainer.model_wrapped)}
+    return train_with_trainer(TwiceModel(TwiceConfig()), Data(), True, reentrant_kwargs)
 
 
 def main():
