@@ -95,7 +95,7 @@ def worker(args):
         losses.append(loss.item())
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     # CPU time of the process: what zeroshim's Python adds shows up there too, and
-    # it is far less disturbed than wall time by other load on a shared machine.
+    # it is less disturbed than wall time by other load on a shared machine.
     print(json.dumps({"steps_per_s": args.steps / elapsed, "cpu_steps_per_s": args.steps / cpu, "losses": losses}))
 
 
