@@ -26,13 +26,13 @@ that freed tensors leave the RSS; on CUDA it is ``torch.cuda.max_memory_allocate
 """
 
 import argparse
-import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+
+from _launch import master_port
 
 CONFIGS = {  # name -> (ZeRO stage, checkpointing, import zeroshim)
     "a": (3, True, True),
@@ -117,12 +117,11 @@ def worker(args):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        import deepspeed as ds
         import transformers
 
         print("RESULT " + json.dumps({"config": args.config, "params": n_params, "ranks": everyone,
                                       "dtype": str(dtype).replace("torch.", ""),
-                                      "versions": {"torch": torch.__version__, "deepspeed": ds.__version__,
+                                      "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                                                    "transformers": transformers.__version__}}), flush=True)
 
 
@@ -146,16 +145,8 @@ def fill(model, deepspeed=None):
                 p.data.copy_(value)
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_config(args, name):
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--config", name]
+    cmd = [__file__, "--worker", "--config", name]
     for key in ("hidden", "intermediate", "layers", "heads", "vocab", "seq", "steps", "live"):
         cmd += [f"--{key}", str(getattr(args, key))]
     if args.dtype:
@@ -169,12 +160,10 @@ def run_config(args, name):
         # parameter, and RSS then measures fragmentation as much as tensors.  A
         # fixed threshold maps every tensor >= 1 MiB on its own: RSS follows them.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(args.mmap_threshold))
-    try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    finally:
-        # DeepSpeed's CPU comm op leaves a /dev/shm buffer per rank behind (DeepSpeed #4115).
-        for path in glob.glob(f"/dev/shm/deepspeed_*_{port}_*"):
-            os.unlink(path)
+    with master_port() as port:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                  "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        proc = subprocess.run(launch + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         tail = "\n".join(proc.stdout.splitlines()[-15:])

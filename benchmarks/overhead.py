@@ -22,26 +22,11 @@ import subprocess
 import sys
 import time
 
-
-def free_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from _launch import master_port
 
 
 def run(cmd, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-
-
-def remove_shm_buffers(port):
-    """DeepSpeed's CPU comm op leaves a 66 MiB /dev/shm buffer per rank and port
-    behind (deepspeedai/DeepSpeed#4115); delete the worker's."""
-    import glob
-
-    for path in glob.glob(f"/dev/shm/deepspeed_*_{port}_*"):
-        os.unlink(path)
 
 
 def import_cost(runs):
@@ -107,17 +92,14 @@ def step_overhead(args):
             out = {}
             order = ("without", "with") if pair % 2 == 0 else ("with", "without")
             for mode in order:
-                port = free_port()
-                cmd = [sys.executable, __file__, "--worker", "--stage", str(stage), "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--layers", str(args.layers),
-                       "--port", str(port)]
-                if mode == "with":
-                    cmd.append("--zeroshim")
                 env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-                try:
+                with master_port() as port:
+                    cmd = [sys.executable, __file__, "--worker", "--stage", str(stage), "--steps", str(args.steps),
+                           "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--layers",
+                           str(args.layers), "--port", str(port)]
+                    if mode == "with":
+                        cmd.append("--zeroshim")
                     lines = [x for x in run(cmd, env).stdout.splitlines() if x.startswith("{")]
-                finally:
-                    remove_shm_buffers(port)
                 out[mode] = json.loads(lines[-1])
                 rates[mode].append(out[mode]["steps_per_s"])
             assert out["with"]["losses"] == out["without"]["losses"], "zeroshim changed the losses"

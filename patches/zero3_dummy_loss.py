@@ -105,16 +105,18 @@ def _candidate(node) -> bool:
     return len(edges) == 2 and sum(edge is not None for edge in edges) == 1
 
 
+def _factor_is_zero(node) -> bool:
+    """For a :func:`_candidate` node: is the factor the gradient-carrying input
+    is multiplied by a zero?  Reads only that factor's saved value."""
+    # d/dself = grad * other, d/dother = grad * self: the factor is the other operand.
+    factor = "_saved_other" if node.next_functions[0][0] is not None else "_saved_self"
+    return _is_zero(_saved(node, factor))
+
+
 def _zero_multiplication(node) -> bool:
     """A Mul node whose gradient-carrying input is multiplied by a zero that
-    needs no grad (``* 0.0``, ``* 0``, ``* torch.tensor(0.)``, either side).
-    Reads only the zero's saved value."""
-    if not _candidate(node):
-        return False
-    edges = [fn for fn, _ in node.next_functions]
-    # d/dself = grad * other, d/dother = grad * self: the factor is the other operand.
-    factor = "_saved_other" if edges[0] is not None else "_saved_self"
-    return _is_zero(_saved(node, factor))
+    needs no grad (``* 0.0``, ``* 0``, ``* torch.tensor(0.)``, either side)."""
+    return _candidate(node) and _factor_is_zero(node)
 
 
 def _zero_term_params(node):
@@ -124,9 +126,9 @@ def _zero_term_params(node):
     if not _candidate(node):
         return None
     if type(node).__name__ == "MulBackward1":  # the factor is a number, free to read
-        return _direct_zero3_params(node) if _zero_multiplication(node) else None
+        return _direct_zero3_params(node) if _factor_is_zero(node) else None
     params = _direct_zero3_params(node)
-    return params if params and _zero_multiplication(node) else None
+    return params if params and _factor_is_zero(node) else None
 
 
 def _is_deepspeed_hook_node(node) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -43,6 +44,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def master_port():
+    """A free port for one DeepSpeed launch; its /dev/shm buffers are deleted
+    when the block ends (see :func:`remove_shm_buffers`)."""
+    port = free_port()
+    try:
+        yield port
+    finally:
+        remove_shm_buffers(port)
+
+
 def clean_env(**extra: str) -> dict:
     """The test process's environment without zeroshim flags, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_")}
@@ -62,17 +74,14 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, env: dict | Non
     # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))
-    port = free_port()
-    cmd = list(launcher or []) + [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(port),
-        str(SCENARIOS / script), "--out", str(out_dir), *args,
-    ]
-    try:
+    with master_port() as port:
+        cmd = list(launcher or []) + [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port),
+            str(SCENARIOS / script), "--out", str(out_dir), *args,
+        ]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=TIMEOUT)
-    finally:
-        remove_shm_buffers(port)
     (out_dir / "log.txt").write_text(proc.stdout)
     ranks = []
     for rank in range(nproc):

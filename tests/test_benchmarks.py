@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import clean_env, ds_before, free_port, remove_shm_buffers
+from harness import clean_env, ds_before, master_port
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 pytestmark = pytest.mark.deepspeed
@@ -25,12 +25,9 @@ def test_dummy_loss_walk_smoke():
 
 
 def test_epoch_memory_smoke_with_boundaries():
-    port = free_port()
-    try:
+    with master_port() as port:
         out = run("-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
                   "--master_port", str(port), str(BENCH / "epoch_memory.py"), "--smoke", "--boundary")
-    finally:
-        remove_shm_buffers(port)
     assert "after boundary" in out and "losses:" in out
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import zeroshim
-from harness import clean_env, ds_before, free_port, remove_shm_buffers
+from harness import clean_env, ds_before, master_port
 from zeroshim import _cli, _versions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -171,17 +171,14 @@ def test_launcher_activates_every_rank_of_torchrun(tmp_path):
     """The checkpointing demo's worker has no `import zeroshim`: fails on 2 ranks
     without the launcher, trains with it."""
     def torchrun(prefix):
-        port = free_port()
-        cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_addr", "127.0.0.1", "--master_port", str(port),
-                        str(EXAMPLES / "checkpoint_demo.py"), "--worker", "--stage", "2", "--steps", "2"]
         env = clean_env(LOCAL_SIZE="2")
         if ds_before("0.14.4"):  # that DeepSpeed cannot even be imported without zeroshim
             env["ZEROSHIM_PATCHES"] = "torch_elastic_compat,nonreentrant_checkpoint"
-        try:
+        with master_port() as port:
+            cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            "--master_addr", "127.0.0.1", "--master_port", str(port),
+                            str(EXAMPLES / "checkpoint_demo.py"), "--worker", "--stage", "2", "--steps", "2"]
             return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-        finally:
-            remove_shm_buffers(port)
 
     without = torchrun([])
     if not ds_before("0.14.4"):
