@@ -48,7 +48,7 @@ def patch_numpy(module, patcher: Patcher) -> None:
 PATCH = Patch(
     name=NAME,
     summary="old DeepSpeed fails to import on numpy 2: cannot import name 'BUFSIZE' from 'numpy'",
-    signatures=(r"cannot import name 'BUFSIZE' from 'numpy'",),
+    signatures=((r"cannot import name 'BUFSIZE' from 'numpy'", r"deepspeed[/\\]autotuning"),),
     affects={"deepspeed": "<0.14.4", "numpy": ">=2"},
     targets={"numpy": patch_numpy},
 )

@@ -113,16 +113,30 @@ def patch_stage12(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "unscale_and_clip_grads", _stage12_unscale_and_clip)
 
 
+def check_config(cfg, affected: bool) -> list:
+    """``zeroshim doctor --config``: ZeRO-3 + optimizer offload + clipping on an affected release."""
+    if not (affected and cfg.stage == 3 and cfg.offload_optimizer in ("cpu", "nvme") and cfg.clipping):
+        return []
+    from zeroshim import _versions
+
+    return [{"level": "error",
+             "message": f"ZeRO-3 with offload_optimizer={cfg.offload_optimizer} and gradient_clipping="
+                        f"{cfg.gradient_clipping} fails on deepspeed {_versions.installed('deepspeed')} at the first "
+                        "clipped step ('Expected all tensors to be on the same device')."}]
+
+
 PATCH = Patch(
     name=NAME,
     summary="ZeRO offload + gradient clipping: 'Expected all tensors to be on the same device ... cuda:0 and cpu'",
     signatures=(
-        r"Expected all tensors to be on the same device, but found at least two devices, (cuda:\d+|cpu) and "
-        r"(cuda:\d+|cpu)",
+        # what makes it this bug: raised in DeepSpeed's unscale/clip of the gradient partitions
+        (r"Expected all tensors to be on the same device, but found at least two devices, (cuda:\d+|cpu) and "
+         r"(cuda:\d+|cpu)", r"in unscale_and_clip_grads|mul_\(1\. / combined_scale\)"),
     ),
     affects={"deepspeed": ">=0.13.0,<0.14.5"},
     targets={
         "deepspeed.runtime.zero.stage3": patch_stage3,
         "deepspeed.runtime.zero.stage_1_and_2": patch_stage12,
     },
+    check_config=check_config,
 )

@@ -57,14 +57,13 @@ Undo
 
 from __future__ import annotations
 
-import logging
 import weakref
 
+from zeroshim import _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr
 
 NAME = "zero3_dummy_loss"
-log = logging.getLogger("zeroshim")
 
 _MUL_NODES = ("MulBackward0", "MulBackward1")
 # ids of the parameters whose only gradient path was cut, for the backward now
@@ -192,9 +191,9 @@ def _engine_backward(wrapped, instance, args, kwargs):
             stats["backward_calls_walked"] += 1
             if cut and instance not in _announced:
                 _announced.add(instance)
-                log.info("zeroshim[%s]: stripped %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters "
-                         "from backward (they contribute nothing; under ZeRO-3 they crash backward). Logged once "
-                         "per engine.", NAME, cut)
+                _log.info("zeroshim[%s]: stripped %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters "
+                          "from backward (they contribute nothing; under ZeRO-3 they crash backward). Logged once "
+                          "per engine.", NAME, cut)
     try:
         return wrapped(*args, **kwargs)
     finally:
@@ -233,9 +232,10 @@ PATCH = Patch(
     name=NAME,
     summary="zero-weighted dummy loss over ZeRO-3 parameters: 'SumBackward0 returned an invalid gradient'",
     signatures=(
-        r"Function SumBackward0 returned an invalid gradient at index 0 - got \[\d*\] but expected shape "
-        r"compatible with \[[\d, ]*\]",
-        r"\d+ != \d+ Cannot reduce scatter gradients whose size is not same as the params",
+        # what makes it this bug: a [0]-shaped (partitioned ZeRO-3) side, in a DeepSpeed run
+        (r"Function \w+Backward\d+ returned an invalid gradient at index 0 - got (\[0\] but expected shape "
+         r"compatible with \[\d[\d, ]*\]|\[\d[\d, ]*\] but expected shape compatible with \[0\])", r"(?i)deepspeed"),
+        r"\b0 != \d+ Cannot reduce scatter gradients whose size is not same as the params",
     ),
     affects={"deepspeed": ""},
     targets={

@@ -56,8 +56,9 @@ def master_port():
 
 
 def clean_env(**extra: str) -> dict:
-    """The test process's environment without zeroshim flags, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_")}
+    """The test process's environment without zeroshim flags (nor the variable
+    ``zeroshim-run`` carries them in), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_") and k != "PYTHON_ZEROSHIM_ENV"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
     env.update(extra)

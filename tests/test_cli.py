@@ -91,9 +91,61 @@ def test_inconsistent_offload_settings(zero, needle):
     assert any(needle in m for m in messages), messages
 
 
-def test_doctor_unreadable_config_still_exits_zero(tmp_path):
+def test_doctor_exit_status_unreadable_config(tmp_path):
     out = cli("doctor", "--config", str(tmp_path / "missing.json"))
-    assert out.returncode == 0 and "could not read it" in out.stdout
+    assert out.returncode == 2 and "could not read it" in out.stdout
+    (tmp_path / "broken.json").write_text("{not json")
+    assert cli("doctor", "--config", str(tmp_path / "broken.json")).returncode == 2
+
+
+def test_doctor_exit_status_error_finding_and_clean_config(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}))
+    out = cli("doctor", "--config", str(bad))
+    assert out.returncode == 1, out.stdout
+    assert "ERROR: offload_param=cpu needs ZeRO stage 3" in out.stdout
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    out = cli("doctor", "--config", str(good))
+    assert out.returncode == 0 and "nothing risky found" in out.stdout
+    report = json.loads(cli("doctor", "--json", "--config", str(bad)).stdout)
+    assert report["exit_status"] == 1
+
+
+@pytest.mark.parametrize("config,needle", [
+    ([1, 2], "must be a JSON object, not a JSON list"),
+    ({"zero_optimization": [3]}, "zero_optimization must be an object"),
+    ({"zero_optimization": {"stage": 3, "offload_param": "cpu"}}, "offload_param must be an object"),
+    ({"zero_optimization": {"stage": "three"}}, "stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 5}}, "stage must be 0, 1, 2 or 3"),
+    ({"gradient_clipping": "lots"}, "gradient_clipping must be a number"),
+])
+def test_doctor_refuses_bad_config_shapes_without_a_traceback(tmp_path, config, needle):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    out = cli("doctor", "--config", str(path))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert needle in out.stdout, out.stdout
+
+
+def test_doctor_reads_numbers_as_deepspeed_does():
+    # DeepSpeed's pydantic config accepts "3" for 3: so does doctor
+    findings = _cli.check_config({"zero_optimization": {"stage": "3", "offload_param": {"device": "cpu"}}})
+    assert not any("needs ZeRO stage 3" in f["message"] for f in findings)
+    assert any("without offload_optimizer" in f["message"] for f in findings)
+
+
+def test_doctor_lists_dependencies(tmp_path):
+    report = json.loads(cli("doctor", "--json", cwd=tmp_path).stdout)
+    entry = {p["patch"]: p for p in report["patches"]}["nonreentrant_checkpoint"]
+    assert "zero3_frozen_recompute" in entry["needs"]
+    text = cli("doctor", cwd=tmp_path).stdout
+    assert "needs zero3_frozen_recompute for ZeRO-3 and frozen parameters" in text
+
+
+def test_no_subcommand_is_a_usage_error():
+    out = cli()
+    assert out.returncode == 2 and "a subcommand is required" in out.stderr
 
 
 # -- explain --------------------------------------------------------------------------
@@ -121,7 +173,52 @@ def test_explain_real_logs(name, patch):
     if expected == "would apply":
         assert "zeroshim would apply it here" in text and "zeroshim-run" in text
     else:
-        assert "would not apply it to the installed versions" in text
+        assert "would not apply it to the installed versions" in text and "has another cause" in text
+
+
+# Messages that look like a patch's but lack what makes them that bug.
+LOOK_ALIKES = {
+    "offload_clip_device": (
+        "Traceback (most recent call last):\n  File \"train.py\", line 9, in forward\n"
+        "    return self.proj(x)\n  File \"/venv/site-packages/torch/nn/modules/linear.py\", line 125, in forward\n"
+        "    return F.linear(input, self.weight, self.bias)\nRuntimeError: Expected all tensors to be on the same "
+        "device, but found at least two devices, cuda:0 and cpu! (when checking argument for argument mat1)\n"),
+    "zero3_frozen_recompute": (
+        "torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the following "
+        "tensors have different metadata than during the forward pass.\ntensor at position 3:\n"
+        "saved metadata: {'shape': torch.Size([4, 8]), 'dtype': torch.float32, 'device': device(type='cpu')}\n"
+        "recomputed metadata: {'shape': torch.Size([8, 4]), 'dtype': torch.float32, 'device': device(type='cpu')}\n"),
+    "zero3_dummy_loss": (
+        "RuntimeError: Function MulBackward0 returned an invalid gradient at index 0 - got [3, 4] but expected "
+        "shape compatible with [4, 3]\n"),
+    "numpy2_compat": (
+        "  File \"/venv/site-packages/someplotlib/io.py\", line 3, in <module>\n"
+        "ImportError: cannot import name 'BUFSIZE' from 'numpy' (/venv/site-packages/numpy/__init__.py)\n"),
+}
+
+
+@pytest.mark.parametrize("patch", sorted(LOOK_ALIKES))
+def test_explain_does_not_blame_look_alikes(patch):
+    out = cli("explain", "--json", "-", stdin=LOOK_ALIKES[patch])
+    assert out.returncode == 1, out.stdout
+    assert json.loads(out.stdout) == []
+
+
+def test_explain_says_not_this_bug_when_the_log_shows_an_unaffected_deepspeed():
+    log = (FIXTURES / "frozen_recompute_ds0.19.2_2ranks.log").read_text()
+    unaffected = "[INFO] [logging.py:107:log_dist] [Rank 0] DeepSpeed info: version=0.19.8, git-hash=unknown\n" + log
+    out = cli("explain", "-", stdin=unaffected)
+    assert out.returncode == 0
+    assert "not this bug: the log comes from DeepSpeed 0.19.8" in out.stdout
+    assert "=on" not in out.stdout
+    affected = log.replace("[rank0]", "[INFO] DeepSpeed info: version=0.19.2, git-hash=x\n[rank0]", 1)
+    text = cli("explain", "-", stdin=affected).stdout
+    assert "not this bug" not in text
+
+
+def test_explain_never_advises_forcing_a_patch_on():
+    for name in LOGS:
+        assert "=on" not in cli("explain", str(FIXTURES / name)).stdout
 
 
 def test_explain_unrelated_log():

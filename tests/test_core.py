@@ -269,18 +269,38 @@ def test_per_patch_modes(value, mode):
     assert _flags.from_environ(NAMES, {"ZEROSHIM_BETA": value}).decide("beta")[0] == mode
 
 
-def test_invalid_values_warn_and_fall_back(caplog):
+def test_invalid_values_warn_and_fail_safe(caplog):
     with caplog.at_level(logging.WARNING, logger="zeroshim"):
-        s = _flags.from_environ(NAMES, {"ZEROSHIM_ALPHA": "sometimes", "ZEROSHIM_DISABLED": "perhaps",
-                                        "ZEROSHIM_ALPAH": "off"})
-    assert s.decide("alpha") == ("auto", "ZEROSHIM_ALPHA=sometimes")
-    assert not s.disabled
+        s = _flags.from_environ(NAMES, {"ZEROSHIM_ALPHA": "sometimes", "ZEROSHIM_ALPAH": "off"})
+    mode, why = s.decide("alpha")
+    assert mode == "off" and why.startswith("disabled by ZEROSHIM_ALPHA=sometimes (a value that cannot be read")
     assert "invalid value 'sometimes' for ZEROSHIM_ALPHA; valid values: auto, on, off" in caplog.text
-    assert "invalid value 'perhaps' for ZEROSHIM_DISABLED" in caplog.text
     assert "unknown setting ZEROSHIM_ALPAH; valid variables:" in caplog.text and "ZEROSHIM_ALPHA" in caplog.text
 
 
-def test_python_api_overrides(target, registry, caplog):
+def test_unreadable_kill_switch_disables(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        s = _flags.from_environ(NAMES, {"ZEROSHIM_DISABLED": "perhaps"})
+    assert s.decide("alpha")[0] == "off" and s.disabled
+    assert "invalid value 'perhaps' for ZEROSHIM_DISABLED" in caplog.text and "DISABLED until" in caplog.text
+    assert not _flags.from_environ(NAMES, {"ZEROSHIM_DISABLED": "0"}).disabled
+
+
+@pytest.mark.parametrize("value", ["", " , ", "gamma"])
+def test_allow_list_naming_nothing_valid_says_so(caplog, value):
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        s = _flags.from_environ(NAMES, {"ZEROSHIM_PATCHES": value})
+    assert s.decide("alpha")[0] == "off" and s.decide("beta")[0] == "off"
+    assert "names no valid patch, so NO patch will apply" in caplog.text
+
+
+def test_launcher_mark_is_not_an_unknown_setting(caplog):
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        _flags.from_environ(NAMES, {"ZEROSHIM_RUN": "1"})
+    assert caplog.text == ""
+
+
+def test_python_api_overrides(target, registry):
     module = importlib.import_module(target)
     patch = registry(targets={target: wrap_f()})
     zeroshim.configure(enabled=False)
@@ -289,11 +309,33 @@ def test_python_api_overrides(target, registry, caplog):
     zeroshim.configure(enabled=True, only=[patch.name])
     assert zeroshim.is_applied(patch.name)
     assert zeroshim.status()["nonreentrant_checkpoint"].state == "disabled"
-    with caplog.at_level(logging.WARNING, logger="zeroshim"):
-        zeroshim.configure(no_such_patch="on", **{patch.name: "sideways"})
-    assert "unknown patch 'no_such_patch'" in caplog.text and "sideways" in caplog.text
     zeroshim.reset_overrides()
     assert zeroshim.is_applied(patch.name)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"no_such_patch": "on"}, "unknown patch name; valid patch names: "),
+    ({"nonreentrant_checkpoint": "sideways"}, "invalid value; valid values: auto, on, off"),
+    ({"only": ["nonreentrant_checkpoint", "nope"]}, "unknown patch name(s) 'nope'"),
+    ({"enabled": "no"}, "enabled must be True, False or None"),
+])
+def test_configure_refuses_bad_input_and_changes_nothing(kwargs, needle, caplog):
+    before = zeroshim.status()
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        with pytest.raises(ValueError) as info:
+            zeroshim.configure(**kwargs)
+    assert needle in str(info.value)
+    assert zeroshim.status() == before
+    assert caplog.text == ""  # refused, not warned about on every later sync
+    zeroshim.configure(nonreentrant_checkpoint="auto")  # a good value afterwards still works
+    zeroshim.reset_overrides()
+
+
+def test_apply_and_unpatch_refuse_unknown_names():
+    with pytest.raises(ValueError, match="unknown patch name"):
+        zeroshim.unpatch("no_such_patch")
+    with pytest.raises(ValueError, match="valid patch names: "):
+        zeroshim.apply("no_such_patch")
 
 
 def test_environment_at_import_time(tmp_path):
@@ -305,7 +347,9 @@ def test_environment_at_import_time(tmp_path):
     out = python(code, tmp_path, env)
     assert "invalid value 'maybe' for ZEROSHIM_NONREENTRANT_CHECKPOINT" in out.stderr
     assert "unknown setting ZEROSHIM_TYPO" in out.stderr
-    assert out.stdout.split("|")[0].strip() in ("pending", "skipped")
+    assert out.stdout.split("|")[0].strip() == "disabled"  # fail safe: off until the value is fixed
+    env = {"PATH": "/usr/bin:/bin", "ZEROSHIM_RUN": "1"}  # zeroshim-run's marker: no warning
+    assert python(code, tmp_path, env).stderr == ""
 
 
 def test_log_level_flag_attaches_a_handler(tmp_path):
@@ -344,3 +388,42 @@ def test_patcher_recognises_its_own_wrapper_and_does_not_wrap_twice():
     assert Owner().f() == 2
     first.undo()
     assert vars(Owner)["f"] is original
+
+
+# -- logging on many ranks -------------------------------------------------------------
+@pytest.mark.parametrize("environ,rank0,node", [
+    ({}, True, True),
+    ({"RANK": "0", "LOCAL_RANK": "0"}, True, True),
+    ({"RANK": "9", "LOCAL_RANK": "1"}, False, False),
+    ({"RANK": "8", "LOCAL_RANK": "0"}, False, True),          # first rank of the second node
+    ({"LOCAL_RANK": "1"}, False, False),                       # no RANK: LOCAL_RANK stands in
+    ({"SLURM_PROCID": "3", "SLURM_LOCALID": "0"}, False, True),  # srun without torchrun
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, True, True),
+])
+def test_log_scopes(monkeypatch, caplog, environ, rank0, node):
+    from zeroshim import _log
+
+    for name in _log._GLOBAL_RANK_VARS + _log._LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.DEBUG, logger="zeroshim"):
+        _log.info("rank0 line")
+        _log.warning("node line")
+        _log.warning("every line", scope=_log.EVERY)
+    levels = {r.getMessage(): r.levelname for r in caplog.records}
+    assert levels["rank0 line"] == ("INFO" if rank0 else "DEBUG")
+    assert levels["node line"] == ("WARNING" if node else "DEBUG")
+    assert levels["every line"] == "WARNING"
+
+
+def test_log_once_per_process(caplog):
+    from zeroshim import _log
+
+    key = ("test", uuid.uuid4().hex)
+    with caplog.at_level(logging.INFO, logger="zeroshim"):
+        assert _log.info("once only", once=key) is True
+        assert _log.info("once only", once=key) is False
+        _log.forget(key)
+        assert _log.info("once only", once=key) is True
+    assert [r.getMessage() for r in caplog.records].count("once only") == 2

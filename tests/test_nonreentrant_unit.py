@@ -40,7 +40,11 @@ def test_without_zero_engine_reentrant_is_kept(layer):
     assert grad_fn_name(layer) == "CheckpointFunctionBackward"
 
 
-def test_with_zero_engine_reentrant_is_rerouted_and_logged_once(layer, caplog):
+def test_with_zero_engine_reentrant_is_rerouted_and_logged_once(layer, caplog, monkeypatch):
+    from zeroshim import _log
+
+    monkeypatch.delenv("RANK", raising=False)  # rank 0: INFO
+    _log.forget((ncp.NAME, "announce"))  # an earlier test may have logged it in this process
     engine = FakeEngine()
     ncp._zero_engines[engine] = 3
     try:
@@ -48,7 +52,7 @@ def test_with_zero_engine_reentrant_is_rerouted_and_logged_once(layer, caplog):
             assert grad_fn_name(layer) != "CheckpointFunctionBackward"
             grad_fn_name(layer)
         lines = [r for r in caplog.records if "as non-reentrant" in r.getMessage()]
-        assert len(lines) <= 1  # once per process (possibly logged by an earlier test)
+        assert len(lines) == 1 and lines[0].levelname == "INFO"  # twice rerouted, logged once
     finally:
         del ncp._zero_engines[engine]
     assert grad_fn_name(layer) == "CheckpointFunctionBackward"
@@ -93,3 +97,127 @@ def test_rerouted_gradients_equal_reentrant_gradients(layer):
     got = [p.grad for p in layer.parameters()] + [x.grad]
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+# -- other libraries patching the same place (issue #14) --------------------------------
+@pytest.fixture
+def zero_engine():
+    engine = FakeEngine()
+    ncp._zero_engines[engine] = 2
+    yield engine
+    del ncp._zero_engines[engine]
+
+
+@pytest.fixture
+def swift_like(monkeypatch):
+    """ms-swift's replacement: the previous function captured, use_reentrant forced to True."""
+    import functools
+
+    previous = tuc.checkpoint
+
+    @functools.wraps(previous)
+    def forced(*args, use_reentrant=None, **kwargs):
+        return previous(*args, use_reentrant=True, **kwargs)
+
+    monkeypatch.setattr(tuc, "checkpoint", forced)
+    return forced
+
+
+def test_forced_reentrant_replacement_does_not_recurse(layer, zero_engine, swift_like):
+    x = torch.randn(2, 4, requires_grad=True)
+    before = dict(ncp.stats)
+    out = tuc.checkpoint(layer, x, use_reentrant=False)  # the replacement turns it into True
+    assert type(out.grad_fn).__name__ != "CheckpointFunctionBackward"
+    out.sum().backward()
+    assert ncp.stats["converted"] == before["converted"] + 1 and ncp.stats["reentered"] == before["reentered"]
+
+
+def test_torch_checkpoint_found_through_a_wrapper(swift_like):
+    assert ncp._torch_checkpoint(tuc) is ncp._torch["checkpoint"]
+    assert tuc.checkpoint is swift_like and ncp._torch["checkpoint"] is swift_like.__wrapped__
+
+
+def test_torch_checkpoint_refuses_a_foreign_function(monkeypatch):
+    monkeypatch.setattr(tuc, "checkpoint", lambda *a, **k: None)
+    with pytest.raises(zeroshim._patcher.TargetChanged, match="neither torch's own function"):
+        ncp._torch_checkpoint(tuc)
+
+
+def test_reentry_guard_passes_a_call_back_through(layer, zero_engine, monkeypatch):
+    """A 'torch checkpoint' that calls straight back into CheckpointFunction.apply
+    (what calling a replaced module attribute did) must not recurse."""
+    def calls_back(function, *args, use_reentrant=None, preserve_rng_state=True):
+        return tuc.CheckpointFunction.apply(function, preserve_rng_state, *args)
+
+    monkeypatch.setitem(ncp._torch, "checkpoint", calls_back)
+    before = ncp.stats["reentered"]
+    x = torch.randn(2, 4, requires_grad=True)
+    out = tuc.CheckpointFunction.apply(layer, True, x)
+    assert type(out.grad_fn).__name__ == "CheckpointFunctionBackward"  # ran reentrant, unchanged
+    assert ncp.stats["reentered"] == before + 1
+
+
+def test_subclasses_of_checkpoint_function_are_left_alone(layer, zero_engine):
+    class Sub(tuc.CheckpointFunction):
+        pass
+
+    out = Sub.apply(layer, True, torch.randn(2, 4, requires_grad=True))
+    assert type(out.grad_fn).__name__ == "SubBackward"
+
+
+def test_module_of_a_checkpointed_callable(layer):
+    import functools
+
+    class Layer(torch.nn.Linear):
+        def __call__(self, *args, **kwargs):
+            return functools.partial(super().__call__, **kwargs)(*args)
+
+    sub = Layer(2, 2)
+    assert ncp._module_of(layer) is layer
+    assert ncp._module_of(layer.__call__) is layer
+    assert ncp._module_of(functools.partial(layer.forward, x=None)) is layer
+    assert ncp._module_of(functools.partial(super(Layer, sub).__call__)) is sub
+    assert ncp._module_of(lambda x: x) is None
+
+
+class OwnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, preserve, *args):
+        return fn(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + grads
+
+
+_KEPT = tuc.checkpoint  # module-global reference, as wrappers keep the original
+
+
+def delegating_by_global(function, *args, **kwargs):
+    return _KEPT(function, *args, **kwargs)
+
+
+def delegating_by_default(function, *args, _original=tuc.checkpoint, **kwargs):
+    return _original(function, *args, **kwargs)
+
+
+def own_checkpoint(function, *args, **kwargs):
+    return OwnFunction.apply(function, True, *args)
+
+
+@pytest.mark.parametrize("replacement,bypassed", [
+    (delegating_by_global, False), (delegating_by_default, False), (own_checkpoint, True)])
+def test_bypass_probe_follows_delegation(monkeypatch, replacement, bypassed):
+    assert ncp.bypass() is None
+    monkeypatch.setattr(tuc, "checkpoint", replacement)
+    found = ncp.bypass()
+    assert (found is not None) == bypassed
+    if bypassed:
+        assert f"{__name__}.own_checkpoint" in found and "does not call torch's checkpoint()" in found
+        assert zeroshim.status()["nonreentrant_checkpoint"].state == "bypassed"
+
+
+def test_bypass_probe_notices_a_replaced_class(monkeypatch):
+    monkeypatch.setattr(tuc, "CheckpointFunction", OwnFunction)
+    assert "CheckpointFunction was replaced by" in ncp.bypass()
+    assert zeroshim.status()["nonreentrant_checkpoint"].state == "bypassed"

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from . import _core, _flags, _versions
+from . import _core, _dsconfig, _flags, _versions
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate", "numpy")
 
@@ -26,8 +26,13 @@ def _verdicts() -> list:
     for st in _core.status().values():
         patch = _core.get_patch(st.name)
         verdict = {"applied": "applied", "pending": "would apply"}.get(st.state, st.state)
+        needs_state = {}
+        for dep in patch.needs:
+            dep_state = _core.status()[dep]
+            needs_state[dep] = f"{dep_state.state} ({dep_state.reason})"
         out.append({"patch": st.name, "verdict": verdict, "reason": st.reason, "flag": st.flag,
-                    "summary": patch.summary, "affects": dict(patch.affects)})
+                    "summary": patch.summary, "affects": dict(patch.affects), "needs": dict(patch.needs),
+                    "needs_state": needs_state})
     return out
 
 
@@ -35,82 +40,69 @@ def _affected(name: str) -> bool:
     return _versions.check_affected(_core.get_patch(name).affects)[0]
 
 
-def _state(name: str) -> str:
-    return _core.status()[name].state
+def _coverage(name: str) -> str:
+    st = _core.status()[name]
+    if st.state in ("applied", "pending"):
+        return f" zeroshim patch {name} covers this ({'applied' if st.state == 'applied' else 'it would apply here'})."
+    return f" zeroshim patch {name} would cover this but is {st.state}: {st.reason}."
 
 
-def check_config(config: dict) -> list:
-    """Warnings about risky or inconsistent settings of a DeepSpeed config.
-    Each is ``{"level", "message", "patch"}``; ``patch`` names the zeroshim
-    patch that covers it, if any."""
-    findings = []
-
-    def add(level, message, patch=None):
-        if patch is not None:
-            state = _state(patch)
-            covered = state in ("applied", "pending")
-            message += (f" zeroshim patch {patch} covers this ({'applied' if state == 'applied' else 'it would apply here'})."
-                        if covered
-                        else f" zeroshim patch {patch} would cover this but is {state}: {_core.status()[patch].reason}.")
-        findings.append({"level": level, "message": message, "patch": patch})
-
-    zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    stage = stage if isinstance(stage, int) else 0
-    off_opt = (zero.get("offload_optimizer") or {}).get("device", "none")
-    off_param = (zero.get("offload_param") or {}).get("device", "none")
-    clip = config.get("gradient_clipping", 0)
-    clipping = clip == "auto" or (isinstance(clip, (int, float)) and clip > 0)
-
-    if stage == 3 and off_opt in ("cpu", "nvme") and clipping and _affected("offload_clip_device"):
-        add("error", f"ZeRO-3 with offload_optimizer={off_opt} and gradient_clipping={clip} fails on deepspeed "
-                     f"{_versions.installed('deepspeed')} at the first clipped step ('Expected all tensors to be on "
-                     "the same device').", "offload_clip_device")
-    if stage >= 1:
-        tf = _versions.installed("transformers")
-        default = ""
-        if tf and _versions.base_version(tf) < _versions.base_version("5"):
-            default = f" transformers {tf} checkpoints reentrantly by default."
-        add("warning", "ZeRO stage %d with reentrant activation checkpointing fails when a checkpointed module "
-                       "runs more than once per step ('has already been reduced').%s" % (stage, default),
-            "nonreentrant_checkpoint")
-    if off_param not in ("none", None) and stage != 3:
-        add("error", f"offload_param={off_param} needs ZeRO stage 3 (stage is {stage}).")
-    if off_opt not in ("none", None) and stage == 0:
-        add("error", f"offload_optimizer={off_opt} needs ZeRO stage 1, 2 or 3 (stage is 0).")
-    for key, device in (("offload_optimizer", off_opt), ("offload_param", off_param)):
-        if device == "nvme" and not (zero.get(key) or {}).get("nvme_path"):
-            add("error", f"{key}.device is nvme but {key}.nvme_path is not set.")
-    if off_param in ("cpu", "nvme") and off_opt in ("none", None):
-        add("warning", f"offload_param={off_param} without offload_optimizer: parameters are offloaded but the "
-                       "larger optimizer states stay on the accelerator; usually both are offloaded.")
-    pins = {k: (zero.get(k) or {}).get("pin_memory") for k in ("offload_optimizer", "offload_param")
-            if (zero.get(k) or {}).get("device") in ("cpu", "nvme")}
-    if len(set(pins.values())) > 1:
-        add("warning", "offload_optimizer and offload_param disagree on pin_memory "
-                       f"({pins['offload_optimizer']} vs {pins['offload_param']}).")
-    if stage == 3 and zero.get("stage3_param_persistence_threshold", None) not in (None, "auto") and \
-            isinstance(zero.get("stage3_param_persistence_threshold"), (int, float)) and \
-            zero["stage3_param_persistence_threshold"] > 10**8:
-        add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
-                       "defeats ZeRO-3's memory savings.")
+def check_config(config: object) -> list:
+    """Findings about a DeepSpeed config (the parsed JSON): its shape, each
+    patch's own check (``Patch.check_config``, given whether the installed
+    versions are affected), and offload settings that cannot work together.
+    Each finding is ``{"level": "error"|"warning", "message", "patch"}``."""
+    cfg, findings = _dsconfig.read(config)
+    if cfg is None:
+        return findings
+    for name in _core.patch_names():
+        patch = _core.get_patch(name)
+        if patch.check_config is None:
+            continue
+        for finding in patch.check_config(cfg, _affected(name)):
+            findings.append({"level": finding["level"], "message": finding["message"] + _coverage(name),
+                             "patch": name})
+    findings.extend(_dsconfig.general_findings(cfg))
     return findings
+
+
+#: doctor's exit statuses
+EXIT_OK, EXIT_CONFIG_ERROR, EXIT_UNREADABLE = 0, 1, 2
+
+
+def _installed_others() -> list:
+    """Installed libraries that patch what a zeroshim patch wraps: ``[{patch, library, version, note}]``."""
+    out = []
+    for name in _core.patch_names():
+        for dist, note in _core.get_patch(name).coexists.items():
+            version = _versions.installed(dist)
+            if version is not None:
+                out.append({"patch": name, "library": dist, "version": version, "note": note})
+    return out
 
 
 def doctor(args) -> int:
     versions = {p: _versions.installed(p) for p in PACKAGES}
     report = {"python": sys.version.split()[0], "versions": versions, "patches": _verdicts(),
-              "flags": {k: v for k, v in os.environ.items() if k.upper().startswith(_flags.PREFIX)}}
+              "flags": {k: v for k, v in os.environ.items() if k.upper().startswith(_flags.PREFIX)},
+              "others": _installed_others()}
+    status = EXIT_OK
     if args.config:
         try:
             with open(args.config) as fh:
                 config = json.load(fh)
-            report["config"] = {"path": args.config, "findings": check_config(config)}
         except (OSError, ValueError) as exc:
             report["config"] = {"path": args.config, "error": str(exc), "findings": []}
+            status = EXIT_UNREADABLE
+        else:
+            findings = check_config(config)
+            report["config"] = {"path": args.config, "findings": findings}
+            if any(f["level"] == "error" for f in findings):
+                status = EXIT_CONFIG_ERROR
+    report["exit_status"] = status
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
+        return status
     print(f"zeroshim {_version()} on Python {report['python']}")
     for name, version in versions.items():
         print(f"  {name:<13} {version or 'not installed'}")
@@ -118,6 +110,12 @@ def doctor(args) -> int:
     width = max(len(p["patch"]) for p in report["patches"])
     for p in report["patches"]:
         print(f"  {p['patch']:<{width}}  {p['verdict']:<11}  {p['reason']}")
+        for dep, when in p["needs"].items():
+            print(f"  {'':<{width}}  {'':<11}  needs {dep} for {when}: {p['needs_state'][dep]}")
+    if report["others"]:
+        print("\nother installed libraries that patch the same places:")
+        for o in report["others"]:
+            print(f"  {o['library']} {o['version']} ({o['patch']}): {o['note']}")
     if report["flags"]:
         print("\nflags set: " + ", ".join(f"{k}={v}" for k, v in sorted(report["flags"].items())))
     if "config" in report:
@@ -129,7 +127,7 @@ def doctor(args) -> int:
             print(f"  {f['level'].upper()}: {f['message']}")
         if not cfg["findings"] and "error" not in cfg:
             print("  nothing risky found")
-    return 0
+    return status
 
 
 # -- explain --------------------------------------------------------------------------
@@ -142,16 +140,44 @@ def strip_rank_prefixes(text: str) -> str:
     return _RANK_PREFIX.sub("", text)
 
 
+#: where a log says which DeepSpeed produced it: DeepSpeed's own start-up line
+#: ("DeepSpeed info: version=0.16.9, git-hash=..."), ds_report, pip freeze
+_LOG_DEEPSPEED = (
+    re.compile(r"DeepSpeed info: version=([0-9][^\s,]*)"),
+    re.compile(r"^\s*deepspeed info \.+ ([0-9][^\s,]*)", re.MULTILINE),
+    re.compile(r"^deepspeed==([0-9][^\s]*)\s*$", re.MULTILINE),
+)
+
+
+def log_deepspeed_version(text: str) -> "str | None":
+    for pattern in _LOG_DEEPSPEED:
+        match = pattern.search(text)
+        if match:
+            return match.group(1)
+    return None
+
+
+def _signature_matches(signature, clean: str, squashed: str) -> list:
+    """Matches of one signature: a regex, or a tuple of regexes of which the
+    first is the message and every other one must also be found in the log
+    (what makes it *that* bug, e.g. DeepSpeed's frame, a [0] shape)."""
+    patterns = (signature,) if isinstance(signature, str) else tuple(signature)
+    matches = list(re.finditer(patterns[0], clean)) or list(re.finditer(patterns[0], squashed))
+    if matches and all(re.search(extra, clean) or re.search(extra, squashed) for extra in patterns[1:]):
+        return matches
+    return []
+
+
 def explain_text(text: str) -> list:
     """Known error signatures in a log: ``[{patch, line, count, verdict, ...}]``."""
     clean = strip_rank_prefixes(text)
     squashed = re.sub(r"[ \t]+", " ", clean)
     verdicts = {v["patch"]: v for v in _verdicts()}
+    log_ds = log_deepspeed_version(clean)
     found = []
     for name in _core.patch_names():
         patch = _core.get_patch(name)
-        matches = [m for sig in patch.signatures for m in re.finditer(sig, clean)]
-        matches += [m for sig in patch.signatures for m in re.finditer(sig, squashed)] if not matches else []
+        matches = [m for sig in patch.signatures for m in _signature_matches(sig, clean, squashed)]
         if not matches:
             continue
         first = matches[0]
@@ -159,10 +185,32 @@ def explain_text(text: str) -> list:
         start = source.rfind("\n", 0, first.start()) + 1
         end = source.find("\n", first.end())
         line = source[start:end if end != -1 else None].strip()
+        spec = patch.affects.get("deepspeed")
+        log_affected = _versions.in_range(log_ds, spec) if (log_ds and spec is not None) else None
         found.append({"patch": name, "line": line[:300], "count": len(matches), "summary": patch.summary,
                       "verdict": verdicts[name]["verdict"], "reason": verdicts[name]["reason"],
-                      "flag": patch.flag})
+                      "flag": patch.flag, "log_deepspeed": log_ds, "log_affected": log_affected,
+                      "affects": dict(patch.affects)})
     return found
+
+
+def _advice(item: dict) -> str:
+    spec = item["affects"].get("deepspeed", "")
+    if item["log_affected"] is False:
+        return (f"  not this bug: the log comes from DeepSpeed {item['log_deepspeed']}, which it does not affect "
+                f"(affected: deepspeed {spec}); this error has another cause, and zeroshim would not help.")
+    if item["verdict"] in ("applied", "would apply"):
+        how = ("add `import zeroshim` at the top of the training script, or start it with "
+               "`zeroshim-run <your command>`")
+        return f"  fix: zeroshim would apply it here ({item['reason']}); {how}."
+    if item["verdict"] == "disabled":
+        return f"  fix: zeroshim has it but it is {item['reason']}; set {item['flag']}=auto (or unset the flag)."
+    if item["log_affected"]:
+        return (f"  the log comes from DeepSpeed {item['log_deepspeed']}, which this bug affects, but zeroshim "
+                f"would not apply it to the versions installed here ({item['reason']}): run `zeroshim doctor` "
+                "where the log was made.")
+    return (f"  zeroshim would not apply it to the installed versions: {item['reason']}. On these versions this "
+            "message has another cause; if the log comes from another machine, run `zeroshim doctor` there.")
 
 
 def explain(args) -> int:
@@ -182,16 +230,7 @@ def explain(args) -> int:
     for item in found:
         print(f"{item['patch']}: {item['summary']}")
         print(f"  seen {item['count']}x, e.g.: {item['line']}")
-        if item["verdict"] in ("applied", "would apply"):
-            how = ("add `import zeroshim` at the top of the training script, or start it with "
-                   "`zeroshim-run <your command>`")
-            print(f"  fix: zeroshim would apply it here ({item['reason']}); {how}.")
-        elif item["verdict"] == "disabled":
-            print(f"  fix: zeroshim has it but it is {item['reason']}; set {item['flag']}=auto (or unset the flag).")
-        else:
-            print(f"  zeroshim would not apply it to the installed versions: {item['reason']}. "
-                  f"If the log comes from another machine, run `zeroshim doctor` there; "
-                  f"{item['flag']}=on forces it.")
+        print(_advice(item))
     return 0
 
 
@@ -206,7 +245,9 @@ def launcher_env(environ=None) -> dict:
     env = dict(os.environ if environ is None else environ)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + parts)
-    env["ZEROSHIM_RUN"] = "1"
+    env[_flags.LAUNCHER_MARK] = "1"
+    # DeepSpeed's multi-node runner forwards PYTHON* variables, never ZEROSHIM_*: carry the flags in one.
+    env[_flags.CARRIER] = _flags.encode_flags(env)
     return env
 
 
@@ -258,5 +299,6 @@ def main(argv=None) -> int:
         return doctor(args)
     if args.command == "explain":
         return explain(args)
-    parser.print_help()
-    return 0
+    parser.print_usage(sys.stderr)
+    print("zeroshim: a subcommand is required (doctor, explain or run)", file=sys.stderr)
+    return 2

@@ -15,7 +15,7 @@ import os as _os
 import threading
 TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
 
-from . import _flags, _hooks, _versions
+from . import _flags, _hooks, _log, _versions
 from ._patcher import NotAffected, Patcher, TargetChanged
 
 if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
@@ -31,15 +31,20 @@ PENDING = "pending"      # enabled; waiting for (some) targets to be imported
 SKIPPED = "skipped"      # not affected by the installed versions, or its target changed
 DISABLED = "disabled"    # turned off by a flag / the Python API
 FAILED = "failed"        # an unexpected error while applying; nothing of it is left applied
+BYPASSED = "bypassed"    # applied, but another library replaced what it wraps: its wrapper is not reached
 
 
 class Patch:
     """The declaration of one patch (immutable once registered)."""
 
-    __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc")
+    __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc", "needs", "bypass",
+                 "check_config", "coexists")
 
     def __init__(self, name: str, summary: str, signatures: "Tuple[str, ...]", affects: "Mapping[str, str]",
-                 targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = ""):
+                 targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = "",
+                 needs: "Optional[Mapping[str, str]]" = None, bypass: "Optional[Callable[[], Optional[str]]]" = None,
+                 check_config: "Optional[Callable[[dict, object], list]]" = None,
+                 coexists: "Optional[Mapping[str, str]]" = None):
         #: stable name; the flag is ZEROSHIM_<NAME>
         self.name = name
         #: one line: the symptom, as the user sees it
@@ -54,6 +59,20 @@ class Patch:
         self.on_undo = on_undo
         #: the module docstring: symptom, cause, versions, flag, fix, undo
         self.doc = doc
+        #: patch name -> the situation in which this patch needs it.  Where the
+        #: other patch's bug exists (its gate says affected) but it is not
+        #: active, this patch must not act in that situation: it asks
+        #: :func:`missing_dependency` at run time.
+        self.needs = dict(needs or {})
+        #: () -> None while the wrapped targets are still reached, else a sentence
+        #: naming what another library replaced them with (status: "bypassed")
+        self.bypass = bypass
+        #: (DeepSpeed config dict, ConfigContext) -> findings for ``zeroshim doctor
+        #: --config``: [{"level": "error"|"warning", "message": str}, ...]
+        self.check_config = check_config
+        #: distribution name -> what that library does to this patch's targets and
+        #: what zeroshim does then (``zeroshim doctor`` lists the installed ones)
+        self.coexists = dict(coexists or {})
 
     @property
     def flag(self) -> str:
@@ -104,7 +123,7 @@ _patches: "Dict[str, Patch]" = {}
 _states: "Dict[str, _State]" = {}
 _waiting: "Set[Tuple[str, str]]" = set()
 _env_settings: "Optional[_flags.Settings]" = None
-_overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}}
+_overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}, "raw": {}}
 _unpatched: "Set[str]" = set()
 
 
@@ -190,9 +209,9 @@ def _settings() -> _flags.Settings:
     names = patch_names()
     if _env_settings is None:
         _env_settings = _flags.from_environ(names)
-    settings = _env_settings.copy()
-    settings = _flags.apply_overrides(settings, names, enabled=_overrides["enabled"],  # type: ignore[arg-type]
-                                      only=_overrides["only"], modes=_overrides["modes"])  # type: ignore[arg-type]
+    settings = _flags.apply_overrides(_env_settings.copy(), enabled=_overrides["enabled"],  # type: ignore[arg-type]
+                                      only=_overrides["only"], modes=_overrides["modes"],  # type: ignore[arg-type]
+                                      raw=_overrides["raw"])  # type: ignore[arg-type]
     for name in _unpatched:
         settings.modes[name] = "off"
         settings.mode_by[name] = "zeroshim.unpatch()"
@@ -209,33 +228,36 @@ def reload_environ(environ: Optional[Mapping[str, str]] = None) -> None:
 
 
 def configure(enabled: Optional[bool] = None, only: Optional[Iterable[str]] = None, **modes: object) -> None:
-    """Set flags from Python (they win over the environment) and apply/undo accordingly."""
+    """Set flags from Python (they win over the environment) and apply/undo
+    accordingly.  ``ValueError`` (naming what is valid) for an unknown patch
+    name or a value that cannot be read; nothing is changed then."""
+    enabled, only_names, checked = _flags.validate_overrides(patch_names(), enabled=enabled, only=only, modes=modes)
     with _lock:
         if enabled is not None:
             _overrides["enabled"] = enabled
-        if only is not None:
-            _overrides["only"] = tuple(only) if not isinstance(only, str) else only
-        _overrides["modes"].update(modes)  # type: ignore[union-attr]
+        if only_names is not None:
+            _overrides["only"] = only_names
+        _overrides["modes"].update(checked)  # type: ignore[union-attr]
+        _overrides["raw"].update({k.lower(): v for k, v in modes.items()})  # type: ignore[union-attr]
     sync()
 
 
 def reset_overrides() -> None:
     """Forget everything set through :func:`configure`, :func:`apply` and :func:`unpatch`."""
     with _lock:
-        _overrides.update(enabled=None, only=None, modes={})
+        _overrides.update(enabled=None, only=None, modes={}, raw={})
         _unpatched.clear()
     sync()
 
 
 def _known(names: Iterable[str], where: str) -> List[str]:
+    """``names``, or ``ValueError`` naming the valid ones if one is unknown."""
     valid = patch_names()
-    good = []
-    for name in names:
-        if name in valid:
-            good.append(name)
-        else:
-            log.warning("zeroshim: unknown patch %r in %s; valid patch names: %s", name, where, ", ".join(valid))
-    return good
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise ValueError(f"{where}: unknown patch name(s) {', '.join(map(repr, unknown))}; "
+                         f"valid patch names: {', '.join(valid)}")
+    return list(names)
 
 
 def apply(*names: str) -> Dict[str, PatchStatus]:
@@ -328,12 +350,12 @@ def _on_import(name: str, module_name: str, module: object) -> None:
         except TargetChanged as exc:
             _undo(patch, state, SKIPPED, f"target changed: {exc}")
             state.sticky = True
-            log.warning("zeroshim: skipped %s: %s", name, state.reason)
+            _log.warning("zeroshim: skipped %s: %s", name, state.reason)
             return
         except Exception as exc:  # never break the user's import
             _undo(patch, state, FAILED, f"error while patching {module_name}: {exc!r}")
             state.sticky = True
-            log.warning("zeroshim: could not apply %s; it is left off", name, exc_info=True)
+            _log.warning("zeroshim: could not apply %s; it is left off", name, exc_info=True)
             return
         state.done.add(module_name)
         _refresh(patch, state)
@@ -342,7 +364,7 @@ def _on_import(name: str, module_name: str, module: object) -> None:
 def _refresh(patch: Patch, state: _State) -> None:
     if state.state == PENDING and state.done.issuperset(patch.targets):
         state.state = APPLIED
-        log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
+        _log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
 
 
 def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
@@ -358,9 +380,57 @@ def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
     state.state, state.reason = new_state, reason
 
 
+# -- other libraries replacing what a patch wraps ------------------------------------
+def _bypassed(patch: Patch, state: _State) -> "Optional[str]":
+    """For an applied patch with a ``bypass`` probe: what replaced its targets
+    (None while its wrappers are still reached).  Logged once per finding."""
+    if state.state != APPLIED or patch.bypass is None:
+        return None
+    try:
+        found = patch.bypass()
+    except Exception:  # a probe's own failure says nothing about the patch
+        log.debug("zeroshim: bypass probe of %s failed", patch.name, exc_info=True)
+        return None
+    if found:
+        _log.warning("zeroshim: %s is applied but BYPASSED: %s", patch.name, found, once=("bypass", patch.name, found))
+    return found or None
+
+
+def check_bypasses() -> "Dict[str, str]":
+    """Run every applied patch's bypass probe now (at engine creation and at an
+    engine's first forward, and by :func:`status`); ``{patch: finding}``."""
+    with _lock:
+        found = {}
+        for name, patch in load_patches().items():
+            finding = _bypassed(patch, _states[name])
+            if finding:
+                found[name] = finding
+        return found
+
+
+# -- dependencies between patches ----------------------------------------------------
+def missing_dependency(name: str) -> "Optional[Tuple[str, str, str]]":
+    """For a patch with ``needs``: the first needed patch whose bug exists here
+    (its version gate says affected) but which is not active, as ``(needed
+    patch, when it is needed, why it is not active)``; None if every needed
+    patch is active or its bug is absent here."""
+    with _lock:
+        for dep, when in get_patch(name).needs.items():
+            patch, state = _patches.get(dep), _states.get(dep)
+            if patch is None or state is None:
+                return dep, when, "it is not registered"
+            if state.state in (APPLIED, PENDING) or state.reason.startswith("not affected"):
+                continue
+            if not _versions.check_affected(patch.affects)[0]:
+                continue  # off, failed or changed, but the bug it fixes is absent here anyway
+            return dep, when, f"{dep} is {state.state}: {state.reason}"
+        return None
+
+
 # -- introspection --------------------------------------------------------------------
 def status(name: Optional[str] = None) -> Dict[str, PatchStatus]:
-    """Per patch: state (applied / pending / skipped / disabled / failed) and why."""
+    """Per patch: state (applied / bypassed / pending / skipped / disabled /
+    failed) and why."""
     with _lock:
         out = {}
         for patch_name, patch in load_patches().items():
@@ -370,7 +440,12 @@ def status(name: Optional[str] = None) -> Dict[str, PatchStatus]:
             if state.state == PENDING and not state.sticky:
                 _gate(patch, state)
             waiting = tuple(m for m in patch.targets if m not in state.done) if state.state == PENDING else ()
-            out[patch_name] = PatchStatus(patch_name, state.state, state.reason, patch.flag, waiting)
+            bypass = _bypassed(patch, state)
+            if bypass:
+                out[patch_name] = PatchStatus(patch_name, BYPASSED, f"{bypass} (wrappers applied: {state.reason})",
+                                              patch.flag)
+            else:
+                out[patch_name] = PatchStatus(patch_name, state.state, state.reason, patch.flag, waiting)
         return out
 
 

@@ -3,11 +3,22 @@
 Several patches need to know which DeepSpeed engines with ZeRO are alive.
 Rather than each wrapping ``DeepSpeedEngine.__init__`` (stacked wrappers of
 two patches on one attribute cannot be undone independently and exactly),
-they share one wrapper, installed when the first of them is applied and
+they share one tracker, installed when the first of them is applied and
 removed when the last of them is undone: a patch calls :func:`use` from its
 apply function for ``deepspeed.runtime.engine``, and its own patcher releases
 the use on undo.  Engines are held by weak reference: a tracked engine never
 outlives the user's last reference to it.
+
+Engines built before the tracker was installed (``import zeroshim`` after
+``deepspeed.initialize``, or ``zeroshim.apply()`` after an ``unpatch()``) are
+found once, when it is installed, by a scan of the objects the garbage
+collector tracks (only when ``deepspeed.runtime.engine`` was imported before;
+a few tens of milliseconds for a process holding a large model).
+
+The tracker also wraps ``DeepSpeedEngine.forward`` to run every applied
+patch's bypass probe (``Patch.bypass``: has another library replaced what the
+patch wraps?) once per engine, at its first forward; the probes also run when
+an engine is created.
 """
 
 from __future__ import annotations
@@ -21,22 +32,60 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import List, Set
 
-PATCH_NAME = "engine_tracking"  # the tag on the shared wrapper (never a user-facing patch)
+PATCH_NAME = "engine_tracking"  # the tag on the shared wrappers (never a user-facing patch)
 
 # engine -> its ZeRO stage (engines with stage >= 1 only)
 engines: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+# engines whose first forward has run the bypass probes
+_probed: "weakref.WeakSet" = weakref.WeakSet()
 _users: "Set[str]" = set()
 _patcher = Patcher(PATCH_NAME)
 _lock = threading.RLock()
+#: engines found by the scan at install time, since import (introspection and tests)
+stats = {"found_existing": 0}
+
+
+def _register(engine) -> None:
+    stage = int(engine.zero_optimization_stage() or 0)
+    if stage >= 1:
+        engines[engine] = stage
+
+
+def _check_bypasses() -> None:
+    from . import _core
+
+    _core.check_bypasses()
 
 
 def _track(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     with guard(PATCH_NAME):
-        stage = int(instance.zero_optimization_stage() or 0)
-        if stage >= 1:
-            engines[instance] = stage
+        _register(instance)
+        _check_bypasses()
     return result
+
+
+def _first_forward(wrapped, instance, args, kwargs):
+    with guard(PATCH_NAME):
+        if instance in engines and instance not in _probed:
+            _probed.add(instance)
+            _check_bypasses()
+    return wrapped(*args, **kwargs)
+
+
+def _existing(engine_cls) -> "List[object]":
+    """Engines that already exist (built before the tracker was installed).
+    Compared by ``type()``: ``isinstance`` reads ``__class__``, which some
+    objects compute (torch's deprecated ``reduce_op`` warns when touched)."""
+    import gc
+
+    classes, todo = set(), [engine_cls]
+    while todo:  # DeepSpeedEngine and its subclasses (pipeline, hybrid engines)
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    return [obj for obj in gc.get_objects() if type(obj) in classes]
 
 
 def use(patch_name: str, module, patcher: Patcher) -> None:
@@ -45,9 +94,19 @@ def use(patch_name: str, module, patcher: Patcher) -> None:
     engine_cls = require_attr(module, "DeepSpeedEngine")
     require(callable(getattr(engine_cls, "zero_optimization_stage", None)),
             "DeepSpeedEngine.zero_optimization_stage does not exist")
+    require_attr(engine_cls, "forward")
     with _lock:
         if not _users:
             _patcher.wrap(engine_cls, "__init__", _track)
+            _patcher.wrap(engine_cls, "forward", _first_forward)
+            # Right after the module's own import no engine can exist yet; the
+            # import machinery still marks the module as initialising then.
+            if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+                with guard(PATCH_NAME):
+                    found = _existing(engine_cls)
+                    for engine in found:
+                        _register(engine)
+                    stats["found_existing"] += len(found)
         _users.add(patch_name)
     patcher.on_undo(lambda: _release(patch_name))
 
@@ -58,6 +117,7 @@ def _release(patch_name: str) -> None:
         if not _users:
             _patcher.undo()
             engines.clear()
+            _probed.clear()
 
 
 def users() -> "Set[str]":

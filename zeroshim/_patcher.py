@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import sys
+
+from . import _log
+
 TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
 
 if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
@@ -169,8 +172,8 @@ class Patcher:
                 continue
             own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
             if own is not value:
-                log.warning("zeroshim[%s]: %r.%s was replaced by someone else after zeroshim patched it; "
-                            "leaving it as it is", self.patch_name, owner, attr)
+                _log.warning("zeroshim[%s]: %r.%s was replaced by someone else after zeroshim patched it; "
+                             "leaving it as it is", self.patch_name, owner, attr, scope=_log.EVERY)
                 continue
             if previous is _MISSING:
                 delattr(owner, attr)
@@ -199,8 +202,6 @@ class guard:
     a bug in zeroshim never hides, replaces or adds to the wrapped function's
     own errors.  Code that calls the wrapped function must stay outside."""
 
-    _reported: set = set()
-
     def __init__(self, patch_name: str):
         self.patch_name = patch_name
         self.failed = False
@@ -212,8 +213,6 @@ class guard:
         if exc_type is None or not issubclass(exc_type, Exception):
             return False
         self.failed = True
-        if self.patch_name not in guard._reported:
-            guard._reported.add(self.patch_name)
-            log.warning("zeroshim[%s]: internal error, falling back to the unpatched behaviour "
-                        "(please report this)", self.patch_name, exc_info=(exc_type, exc, tb))
+        _log.warning("zeroshim[%s]: internal error, falling back to the unpatched behaviour (please report this)",
+                     self.patch_name, scope=_log.EVERY, once=("guard", self.patch_name), exc_info=(exc_type, exc, tb))
         return True

@@ -73,6 +73,18 @@ def base_version(version: str) -> "Version":
     return Version(Version(version).base_version)
 
 
+def in_range(version: str, spec: str) -> "Optional[bool]":
+    """Whether ``version`` is in the PEP 440 range ``spec`` (None if either
+    cannot be read)."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion
+
+    try:
+        return base_version(version) in SpecifierSet(spec, prereleases=True)
+    except (InvalidSpecifier, InvalidVersion):
+        return None
+
+
 def check_affected(affects: "Dict[str, str]") -> "Tuple[bool, str]":
     """Whether the installed versions fall in every declared range.
 

@@ -14,7 +14,6 @@ import sys
 import tempfile
 import traceback
 
-import torch
 import torch.distributed as dist
 
 

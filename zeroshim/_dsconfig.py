@@ -1,0 +1,135 @@
+"""A DeepSpeed config as ``zeroshim doctor --config`` reads it.
+
+:func:`read` turns the JSON object into a :class:`DSConfig` with the few
+values the checks need, read the way DeepSpeed reads them (its pydantic models
+accept ``"3"`` for 3 and ``"true"`` for True; HF Trainer's ``"auto"`` values
+are left as ``"auto"``), and a list of problems with the config's shape
+(a section that is not an object, a stage that is not 0-3).  It never raises
+for a bad config: the problems are findings.
+
+Patches declare their own checks (``Patch.check_config``); the ones here are
+about the config alone (offload settings that cannot work together).
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import List, Optional
+
+AUTO = "auto"
+NONE_DEVICES = (None, "none")
+
+
+class DSConfig:
+    """What the checks read from a DeepSpeed config (after :func:`read`)."""
+
+    def __init__(self) -> None:
+        self.raw: dict = {}
+        self.stage = 0                         # 0-3
+        self.offload_optimizer = "none"        # "none" | "cpu" | "nvme" | other string
+        self.offload_param = "none"
+        self.offload_sections: dict = {}       # "offload_optimizer"/"offload_param" -> dict
+        self.gradient_clipping: "object" = 0.0  # float or "auto"
+        self.gradient_accumulation_steps: "object" = 1  # int or "auto"
+        self.zero: dict = {}
+
+    @property
+    def clipping(self) -> bool:
+        clip = self.gradient_clipping
+        return clip == AUTO or (isinstance(clip, (int, float)) and clip > 0)
+
+
+def _number(value, kind):
+    """``value`` as ``kind`` (int/float) the way pydantic's lax mode reads it, or
+    ``"auto"``; None if it cannot be read."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)):
+        if kind is int:
+            return int(value) if float(value).is_integer() else None
+        return float(value)
+    return None
+
+
+def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
+    """``(DSConfig or None, problems)``; each problem is ``{"level": "error", "message"}``."""
+    problems: "List[dict]" = []
+
+    def bad(message):
+        problems.append({"level": "error", "message": message, "patch": None})
+
+    if not isinstance(config, dict):
+        bad(f"the config must be a JSON object, not a JSON {type(config).__name__}.")
+        return None, problems
+    out = DSConfig()
+    out.raw = config
+    zero = config.get("zero_optimization", {})
+    if zero is None:
+        zero = {}
+    if not isinstance(zero, dict):
+        bad(f"zero_optimization must be an object, not {zero!r}.")
+        zero = {}
+    out.zero = zero
+    stage = _number(zero.get("stage", 0), int)
+    if stage is None or stage == AUTO or not 0 <= stage <= 3:
+        bad(f"zero_optimization.stage must be 0, 1, 2 or 3, not {zero.get('stage')!r}.")
+        stage = 0
+    out.stage = stage
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if not isinstance(section, dict):
+            bad(f"zero_optimization.{key} must be an object, not {section!r}.")
+            section = {}
+        device = section.get("device", "none")
+        device = "none" if device in NONE_DEVICES else str(device).lower()
+        setattr(out, key, device)
+        out.offload_sections[key] = section
+    clip = _number(config.get("gradient_clipping", 0.0), float)
+    if clip is None:
+        bad(f"gradient_clipping must be a number, not {config.get('gradient_clipping')!r}.")
+        clip = 0.0
+    out.gradient_clipping = clip
+    ga = _number(config.get("gradient_accumulation_steps", 1), int)
+    if ga is None:
+        bad(f"gradient_accumulation_steps must be an integer, not {config.get('gradient_accumulation_steps')!r}.")
+        ga = 1
+    out.gradient_accumulation_steps = ga
+    return out, problems
+
+
+def general_findings(cfg: DSConfig) -> "List[dict]":
+    """Offload settings that cannot work together (no zeroshim patch involved)."""
+    findings: "List[dict]" = []
+
+    def add(level, message):
+        findings.append({"level": level, "message": message, "patch": None})
+
+    if cfg.offload_param not in NONE_DEVICES and cfg.stage != 3:
+        add("error", f"offload_param={cfg.offload_param} needs ZeRO stage 3 (stage is {cfg.stage}).")
+    if cfg.offload_optimizer not in NONE_DEVICES and cfg.stage == 0:
+        add("error", f"offload_optimizer={cfg.offload_optimizer} needs ZeRO stage 1, 2 or 3 (stage is 0).")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(cfg, key) == "nvme" and not cfg.offload_sections[key].get("nvme_path"):
+            add("error", f"{key}.device is nvme but {key}.nvme_path is not set.")
+    if cfg.offload_param in ("cpu", "nvme") and cfg.offload_optimizer in NONE_DEVICES:
+        add("warning", f"offload_param={cfg.offload_param} without offload_optimizer: parameters are offloaded but "
+                       "the larger optimizer states stay on the accelerator; usually both are offloaded.")
+    pins = {k: cfg.offload_sections[k].get("pin_memory") for k in ("offload_optimizer", "offload_param")
+            if getattr(cfg, k) in ("cpu", "nvme")}
+    if len(set(pins.values())) > 1:
+        add("warning", "offload_optimizer and offload_param disagree on pin_memory "
+                       f"({pins['offload_optimizer']} vs {pins['offload_param']}).")
+    threshold = _number(cfg.zero.get("stage3_param_persistence_threshold"), float)
+    if cfg.stage == 3 and isinstance(threshold, float) and threshold > 10**8:
+        add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
+                       "defeats ZeRO-3's memory savings.")
+    return findings

@@ -1,0 +1,101 @@
+"""Logging fit for 8 ranks x N nodes.
+
+zeroshim logs through the standard ``logging.getLogger("zeroshim")`` and never
+configures handlers itself (``ZEROSHIM_LOG_LEVEL`` adds one on request).  What
+differs from a plain logger is *where* a message is worth showing.  Every
+message has one of three scopes:
+
+``RANK0``
+    The same on every rank of a job (a patch applied, a conversion announced):
+    logged at its level on global rank 0 only, at DEBUG elsewhere.
+``NODE``
+    Derived from this node's environment or installation (a bad flag, a target
+    that changed, a patch that failed, another library that replaced a
+    target): logged at its level on local rank 0 of each node, DEBUG on the
+    other local ranks.  Launchers hand environments over per node, and nodes
+    can differ there, so one line per node is what is worth reading.
+``EVERY``
+    About this process alone (an internal error, an epoch boundary that could
+    not free memory): logged on every rank.
+
+Ranks are read from the environment at the moment of logging (no torch
+import): global rank from ``RANK`` (torchrun, deepspeed, accelerate), else
+``OMPI_COMM_WORLD_RANK`` / ``PMI_RANK`` / ``SLURM_PROCID`` (mpirun, srun),
+else ``LOCAL_RANK``; local rank from ``LOCAL_RANK``, else
+``OMPI_COMM_WORLD_LOCAL_RANK`` / ``MPI_LOCALRANKID`` / ``SLURM_LOCALID``.  A
+process with none of them is rank 0.  ``once=True`` logs a given message key
+at most once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("zeroshim")
+
+RANK0 = "rank0"
+NODE = "node"
+EVERY = "every"
+
+_GLOBAL_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "LOCAL_RANK")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+
+_seen: set = set()
+_seen_lock = threading.Lock()
+
+
+def _first_int(names, environ=None) -> int:
+    environ = os.environ if environ is None else environ
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def global_rank(environ=None) -> int:
+    """This process's global rank as the launcher's environment says (0 if none does)."""
+    return _first_int(_GLOBAL_RANK_VARS, environ)
+
+
+def local_rank(environ=None) -> int:
+    """This process's rank on its node as the launcher's environment says (0 if none does)."""
+    return _first_int(_LOCAL_RANK_VARS, environ)
+
+
+def level_for(level: int, scope: str) -> int:
+    """``level`` where ``scope`` says this process should show it, else DEBUG."""
+    if scope == RANK0 and global_rank() != 0:
+        return logging.DEBUG
+    if scope == NODE and local_rank() != 0:
+        return logging.DEBUG
+    return level
+
+
+def emit(level: int, scope: str, msg: str, *args, once: "object" = None, exc_info=None) -> bool:
+    """Log ``msg % args`` at ``level`` for ``scope``.  ``once``: a key; a
+    message with a key already logged in this process is dropped.  Returns
+    whether it was logged (not dropped as a repeat)."""
+    if once is not None:
+        with _seen_lock:
+            if once in _seen:
+                return False
+            _seen.add(once)
+    log.log(level_for(level, scope), msg, *args, exc_info=exc_info)
+    return True
+
+
+def info(msg: str, *args, scope: str = RANK0, once: "object" = None) -> bool:
+    return emit(logging.INFO, scope, msg, *args, once=once)
+
+
+def warning(msg: str, *args, scope: str = NODE, once: "object" = None, exc_info=None) -> bool:
+    return emit(logging.WARNING, scope, msg, *args, once=once, exc_info=exc_info)
+
+
+def forget(key: object) -> None:
+    """Let a ``once`` message with this key be logged again (after an undo)."""
+    with _seen_lock:
+        _seen.discard(key)
