@@ -3,9 +3,15 @@
     nox -s tests            every environment of the matrix, one after another
     nox -s "tests(env='ds0.19.8')"   one of them
     nox -s demo             the checkpointing demo (fails without zeroshim, trains with it)
+    nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
+                            must apply to a bug that still exists or say "not affected" (not in CI)
 
-Each session is its own virtual environment with torch 2.13.0 (CPU; pip takes
-the wheel from local disk).  The pins live here, never in pyproject.toml.
+Each session is its own virtual environment with torch 2.13.0, CPU build.  On
+the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
+from PyPI is a CUDA build of several GB, so set ``NOX_TORCH_INDEX_URL`` (e.g.
+``https://download.pytorch.org/whl/cpu``) to take the CPU build from PyTorch's
+index, or ``NOX_TORCH`` to test another torch.  The pins live here, never in
+pyproject.toml.
 """
 
 import os
@@ -15,9 +21,10 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = not os.environ.get("CI")
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests`)
 
-TORCH = "torch==2.13.0"
+TORCH = os.environ.get("NOX_TORCH", "torch==2.13.0")
+TORCH_INDEX_URL = os.environ.get("NOX_TORCH_INDEX_URL")  # e.g. https://download.pytorch.org/whl/cpu
 
 # name -> packages installed on top of torch (DeepSpeed builds with DS_BUILD_OPS=0).
 # Why these: 0.14.1 is the oldest DeepSpeed with a CPU accelerator that works
@@ -48,8 +55,15 @@ def _env(session, **extra):
     return env
 
 
+def _install_torch(session):
+    if TORCH_INDEX_URL:
+        session.install(TORCH, "--index-url", TORCH_INDEX_URL)
+    else:
+        session.install(TORCH)
+
+
 def _install(session, env_name):
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*MATRIX[env_name], env={"DS_BUILD_OPS": "0"})
     session.install(".[test]")
 
@@ -59,11 +73,11 @@ def _install(session, env_name):
 def tests(session, env):
     """The test suite in one pinned environment."""
     _install(session, env)
-    extra = {"ZEROSHIM_TEST_ENV": env}
+    extra = {"ZSTEST_ENV": env}
     if env in NUMPY2_SIDE:
         side = os.path.join(session.virtualenv.location, "numpy2")
         session.install("--no-deps", "--target", side, NUMPY2_SIDE[env])
-        extra["ZEROSHIM_TEST_NUMPY2"] = side
+        extra["ZSTEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
     session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, **extra))
@@ -74,3 +88,17 @@ def demo(session):
     """Reentrant checkpointing under ZeRO-2/3 on 2 ranks: without, then with zeroshim."""
     _install(session, DEMO_ENV)
     session.run("python", "examples/checkpoint_demo.py", *session.posargs, env=_env(session))
+
+
+@nox.session
+def canary(session):
+    """The newest DeepSpeed, transformers, peft and accelerate (unpinned; torch as
+    above): the whole suite.  Every patch must apply to a bug that still exists
+    or report "not affected" -- never "target changed" (tests/test_patch_kit.py)
+    -- and every reproduction must still fail without zeroshim where the gate
+    says it should (the scenario tests).  Run it before a release; CI skips it."""
+    _install_torch(session)
+    session.install("deepspeed", "transformers", "peft", "accelerate", env={"DS_BUILD_OPS": "0"})
+    session.install(".[test]")
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, ZSTEST_ENV="canary"))

@@ -12,5 +12,10 @@ PATCH_MODULES = (
     "zero3_frozen_recompute",
     "offload_clip_device",
     "zero3_dummy_loss",
+    "zero2_offload_accumulation",
+    "zero3_delegating_wrapper",
+    "checkpoint_weights_only",
+    "zero3_generate_sync",
+    "offload_worker_fork",
     "epoch_boundary",
 )

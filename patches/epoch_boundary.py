@@ -1,46 +1,25 @@
-"""Free what ZeRO-3 leaves behind at every epoch boundary (host-memory growth with offload).
+"""Free what ZeRO-3 leaves behind at every epoch boundary.
 
 Symptom
-    ZeRO-3 with ``offload_optimizer`` / ``offload_param`` on a large model
-    (reported with XTuner, Yi-34B, also without sequence parallelism): host
-    (CPU) memory runs out at the end of the first epoch, a few steps into the
-    next one (at step ``gradient_accumulation_steps - 1``), while GPU memory is
-    fine; more nodes (smaller shards) or LoRA avoid it.  The process is killed
-    by the OOM killer, or DeepSpeed fails allocating a pinned buffer.
+    ZeRO-3 on a large model, several epochs: host (and device) memory a
+    previous epoch left behind is still held when the next one starts:
+    parameters an evaluation pass or hand-written code left gathered (with
+    ``offload_param`` these are full-size host copies of whole layers on every
+    rank), and freed heap that glibc keeps mapped.
+
+    The best-known report of host OOM at epoch 2 with ZeRO-3 offload (34B,
+    XTuner) has another cause, DataLoader workers forked every epoch copying
+    the offloaded optimizer state; that is patch ``offload_worker_fork``.  This
+    patch is what is left to do at the boundary itself.
 
 Cause
-    Measured with ``benchmarks/epoch_memory.py`` (ZeRO-3, both offloads, bf16,
-    2 ranks, CPU/gloo, DeepSpeed 0.19.8, torch 2.13; 4.2M parameters, 10
-    steps per epoch, 6 epochs; rank 0; numbers in ``benchmarks/RESULTS.md``):
-
-    * With DataLoader worker processes (``num_workers=2``; new workers are
-      forked every epoch, HF Trainer's default ``persistent_workers=False``)
-      the trainer's RSS at the first step of each epoch ratchets up, 510 ->
-      599 MiB by epoch 4, and the workers, forked from that bigger parent,
-      grow with it: 681 -> 1031 MiB for the two together.  Without workers RSS
-      moves up and down (531-591 MiB) without a trend.  The growth is freed
-      host heap that glibc keeps (batches arriving from the workers, the
-      offload path's temporaries): ``malloc_trim(0)`` at the boundary brings
-      RSS back to 438-450 MiB every epoch and keeps the workers at 683-733 MiB.
-      At 34B parameters the same ratchet is per-rank gigabytes, and every
-      forked worker copies it: the "end of the first epoch" shape of the
-      report.
-    * Parameters that stay gathered: ZeRO-3 releases a parameter in its
-      module's post-forward / post-backward hook.  Forwards outside the traced
-      order (evaluation at an epoch end, a module skipped this step), or
-      parameters gathered by hand, can leave full-size parameters gathered
-      after the step; DeepSpeed documents this in
-      ``DeepSpeedZeRoOffload.partition_all_parameters``.  With
-      ``offload_param`` those are host copies the size of whole layers on every
-      rank ("more nodes avoid it": smaller shards).  In the small run a frozen
-      block left nothing gathered on 0.19.8; the tests gather parameters on
-      purpose and check that the boundary releases them.
-    * What did not grow at this scale: DeepSpeed's own buffers (the offload
-      buffers are allocated once; the RSS right after the boundary is flat
-      across epochs), and Python garbage (zeroshim's ``gc.collect()``, run
-      after DeepSpeed's own, found 0 objects at every boundary).
-
-    The 34B-parameter OOM itself cannot be reproduced on this machine.
+    ZeRO-3 releases a parameter in its module's post-forward / post-backward
+    hook.  Forwards outside the traced order (evaluation at an epoch end, a
+    module skipped this step), or parameters gathered by hand, can leave
+    parameters gathered after the step; DeepSpeed documents this in
+    ``DeepSpeedZeRoOffload.partition_all_parameters``.  And ZeRO-3 gathers and
+    frees every parameter each step: glibc serves those allocations (below its
+    mmap threshold) from heap it keeps after they are freed.
 
 Affected versions
     Every DeepSpeed release with ZeRO-3 (nothing upstream frees at epoch
@@ -59,39 +38,47 @@ Fix
     1. every gathered ZeRO-3 parameter is released
        (``engine.empty_partition_cache()``, DeepSpeed's public API, which also
        runs ``gc.collect()`` and empties the accelerator cache);
-    2. Python garbage is collected; the accelerator's cache and, when CUDA is
-       initialised, the pinned host-memory cache are emptied;
+    2. when CUDA is initialised, the pinned host-memory cache is emptied
+       (not measured here: this machine has no GPU);
     3. glibc's ``malloc_trim(0)`` returns freed heap to the OS (skipped where
        the C library has no ``malloc_trim``);
-    4. RSS before/after is logged at DEBUG.
+    4. PSS before/after is logged at DEBUG.
 
-    Epoch boundaries are found in three places: HF Trainer's epoch end
-    (``CallbackHandler.on_epoch_end``, after the user's callbacks ran), a
+    Kept from the first version because it measurably helps (benchmarks
+    ``epoch_memory.py``, RESULTS.md §4): releasing parameters left gathered
+    (the tests count them, 6 per boundary -> 0) and ``malloc_trim``.  Dropped
+    because it did not: zeroshim's own ``gc.collect()`` and accelerator
+    ``empty_cache()`` after DeepSpeed's (they found nothing at any measured
+    boundary).
+
+    Epoch boundaries are found in three places: HF Trainer's epoch *begin*
+    (``CallbackHandler.on_epoch_begin`` of every epoch after the first: after
+    the previous epoch's evaluation and saving, which ``on_epoch_end``
+    precedes, and before the new epoch's DataLoader workers start), a
     DataLoader given to ``deepspeed.initialize`` when it is iterated again
-    (``DeepSpeedDataLoader.__iter__``, before the new iterator forks its
-    workers, so they copy a smaller parent), and the public
-    ``zeroshim.epoch_boundary(engine=None)`` for custom loops.
+    (``DeepSpeedDataLoader.__iter__``), and the public
+    ``zeroshim.epoch_boundary(engine=None)`` for custom loops, which must be
+    called on every rank (releasing resets each rank's parameter-fetch trace;
+    ranks must agree on it).
 
     Numerics: releasing a parameter keeps its partition; the next forward
     gathers it again, so training is unchanged (the tests compare losses and
-    parameters bit for bit).  Cost: one ``gc.collect()``, one re-gather of
-    persistent parameters and a ``malloc_trim`` per epoch.
+    parameters bit for bit).  Cost per epoch: one re-gather of what was
+    released and a ``malloc_trim``.
 
 Undo
     ``zeroshim.unpatch("epoch_boundary")`` restores ``DeepSpeedDataLoader.__iter__``
-    and ``CallbackHandler.on_epoch_end``, and ``DeepSpeedEngine.__init__`` once
+    and ``CallbackHandler.on_epoch_begin``, and ``DeepSpeedEngine.__init__`` once
     no other patch needs engine tracking.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 import sys
 import weakref
 
-from zeroshim import _engines
+from zeroshim import _engines, _memory
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr
 
@@ -105,40 +92,6 @@ stats = {"boundaries": 0, "params_released": 0, "last": None}
 
 
 # -- what is freed --------------------------------------------------------------------
-def rss_mb():
-    """This process's resident set size in MiB (None where it cannot be read)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**20
-    except Exception:
-        return None
-
-
-_malloc_trim = None
-
-
-def malloc_trim() -> bool:
-    """glibc ``malloc_trim(0)``: give freed heap back to the OS.  False where the
-    C library has none (musl, macOS, Windows) or nothing was returned."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        _malloc_trim = False
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            try:
-                _malloc_trim = ctypes.CDLL(None).malloc_trim
-            except (OSError, AttributeError):
-                pass
-    return bool(_malloc_trim and _malloc_trim(0))
-
-
 def _gathered(engine) -> int:
     """The number of the engine's ZeRO-3 parameters that are gathered now."""
     module = getattr(engine, "module", None)
@@ -147,48 +100,45 @@ def _gathered(engine) -> int:
     return sum(1 for p in module.parameters() if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE")
 
 
-def _empty_caches() -> None:
+def _empty_host_cache() -> None:
+    """The pinned-memory caching allocator of CUDA (only once CUDA is initialised)."""
     torch = sys.modules.get("torch")
-    if "deepspeed.accelerator" in sys.modules:
-        sys.modules["deepspeed.accelerator"].get_accelerator().empty_cache()
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
-        host_empty = getattr(torch._C, "_host_emptyCache", None)  # the pinned-memory caching allocator
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
         if host_empty is not None:
             host_empty()
 
 
 def epoch_boundary(engine=None, where: str = "explicit") -> dict:
     """Free what an epoch leaves behind: release every gathered ZeRO-3 parameter
-    of ``engine`` (default: every live ZeRO-3 engine zeroshim tracks), collect
-    garbage, empty the accelerator caches and ``malloc_trim`` the heap.
+    of ``engine`` (default: every live ZeRO-3 engine zeroshim tracks), empty
+    the pinned host cache and ``malloc_trim`` the heap.
 
-    Call it between epochs (or any time no forward/backward is running).
-    Returns what was done: ``{"where", "engines", "params_released",
-    "gc_collected", "trimmed", "rss_before_mb", "rss_after_mb"}``."""
+    Call it between epochs, on every rank, while no forward/backward is
+    running.  Returns what was done: ``{"where", "engines", "params_released",
+    "trimmed", "pss_before_mb", "pss_after_mb"}``."""
     engines = [engine] if engine is not None else _engines.live(3)
-    before = rss_mb()
+    before = _memory.pss_mb()
     released = 0
     for eng in engines:
         stage = eng.zero_optimization_stage() if hasattr(eng, "zero_optimization_stage") else 0
         if stage == 3:
             gathered = _gathered(eng)
-            eng.empty_partition_cache()
+            eng.empty_partition_cache()  # also gc.collect() and the accelerator's empty_cache()
             released += gathered - _gathered(eng)
-    collected = gc.collect()
-    _empty_caches()
-    trimmed = malloc_trim()
-    after = rss_mb()
-    result = {"where": where, "engines": len(engines), "params_released": released, "gc_collected": collected,
-              "trimmed": trimmed, "rss_before_mb": before, "rss_after_mb": after}
+    _empty_host_cache()
+    trimmed = _memory.malloc_trim()
+    after = _memory.pss_mb()
+    result = {"where": where, "engines": len(engines), "params_released": released, "trimmed": trimmed,
+              "pss_before_mb": before, "pss_after_mb": after}
     stats["boundaries"] += 1
     stats["params_released"] += released
     stats["last"] = result
     if log.isEnabledFor(logging.DEBUG):
         log.debug("zeroshim[%s]: epoch boundary (%s): released %d gathered ZeRO-3 parameter(s) of %d engine(s), "
-                  "collected %d objects, malloc_trim %s; RSS %s -> %s MiB", NAME, where, released, len(engines),
-                  collected, "returned memory" if trimmed else "returned nothing",
-                  _fmt(before), _fmt(after))
+                  "malloc_trim %s; PSS %s -> %s MiB", NAME, where, released, len(engines),
+                  "returned memory" if trimmed else "returned nothing", _fmt(before), _fmt(after))
     return result
 
 
@@ -204,12 +154,14 @@ def _automatic(where: str) -> None:
 
 
 # -- wrappers -------------------------------------------------------------------------
-def _trainer_epoch_end(wrapped, instance, args, kwargs):
-    """Wraps ``transformers.trainer_callback.CallbackHandler.on_epoch_end``."""
-    control = wrapped(*args, **kwargs)
+def _trainer_epoch_begin(wrapped, instance, args, kwargs):
+    """Wraps ``transformers.trainer_callback.CallbackHandler.on_epoch_begin(args, state, control)``:
+    the begin of every epoch after the first is a boundary."""
     with guard(NAME):
-        _automatic("Trainer epoch end")
-    return control
+        state = args[1] if len(args) > 1 else kwargs.get("state")
+        if (getattr(state, "epoch", 0) or 0) > 0:
+            _automatic("Trainer epoch begin")
+    return wrapped(*args, **kwargs)
 
 
 def _dataloader_iter(wrapped, instance, args, kwargs):
@@ -233,7 +185,7 @@ def patch_deepspeed_dataloader(module, patcher: Patcher) -> None:
 
 
 def patch_trainer_callbacks(module, patcher: Patcher) -> None:
-    patcher.wrap(require_attr(module, "CallbackHandler"), "on_epoch_end", _trainer_epoch_end)
+    patcher.wrap(require_attr(module, "CallbackHandler"), "on_epoch_begin", _trainer_epoch_begin)
 
 
 def _forget() -> None:

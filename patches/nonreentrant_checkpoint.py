@@ -47,8 +47,11 @@ Fix
     ``checkpoint_sequential``.  Engines are tracked by wrapping
     ``DeepSpeedEngine.__init__`` (weak references; one tracker shared with
     other patches, ``zeroshim/_engines.py``), including engines built before
-    zeroshim was imported.  Without a ZeRO engine, nothing changes.  The
-    switch is logged once (INFO, rank 0).
+    zeroshim was imported.  The stage that decides is the one of the engine
+    whose forward is running (a ZeRO-0 engine's forward converts nothing, even
+    with a ZeRO-3 engine alive elsewhere in the process); outside any engine's
+    forward, the highest stage of a live engine.  Without a ZeRO engine,
+    nothing changes.  The switch is logged once (INFO, rank 0).
 
     Numerics: the recomputation is the same forward; the run matches a
     ``use_reentrant=False`` run exactly (tests compare losses bit for bit).
@@ -127,8 +130,9 @@ stats = {"converted": 0, "kept_for_dependency": 0, "reentered": 0}
 
 
 def active_zero_stage() -> int:
-    """The highest ZeRO stage of a live DeepSpeed engine, 0 if there is none."""
-    return _engines.max_stage()
+    """The ZeRO stage of the engine in use: the one whose forward is running,
+    else the highest stage of a live engine (0 if there is none)."""
+    return _engines.stage_in_use()
 
 
 def _busy() -> set:

@@ -14,21 +14,35 @@ Symptom
     Yi-34B on 0.14.1.
 
 Cause
-    ``complete_grad_norm_calculation_for_cpu_offload`` all-reduces the norm in an
-    accelerator tensor and, since #4436, returns it as a 0-dim CUDA tensor
-    instead of a Python float.  When clipping fires, ``combined_scale`` becomes
-    that CUDA tensor and is multiplied into fp32 gradient partitions that live
-    on the CPU.  torch lets a 0-dim CPU tensor take part in a CUDA operation,
-    never the reverse.
+    ``step()`` of the ZeRO-3 optimizer computes the global gradient norm from
+    the per-group norms and hands it to ``unscale_and_clip_grads``.  DeepSpeed
+    0.14.1 (#5256, "stage3: efficient compute of scaled_global_grad_norm")
+    computes it as ``torch.norm(torch.stack(norm_groups))``: a 0-dim tensor on
+    the accelerator.  When clipping fires, ``combined_scale`` becomes that CUDA
+    tensor and is multiplied into fp32 gradient partitions that live on the
+    CPU; torch lets a 0-dim CPU tensor take part in a CUDA operation, never the
+    reverse.
 
 Affected versions
-    DeepSpeed >= 0.13.0, < 0.14.5, read from the tagged sources: v0.12.6 still
-    returns ``total_norm_cuda[0].item() ** (1/2)`` (a float); v0.13.0 (#4436)
-    returns the tensor; v0.14.5 (#5504, "Z3: optimizations for grad norm
-    calculation and gradient clipping") returns ``total_norm.cpu()``.
-    Reproduced on an H100 with 0.14.1 (torch 2.11); 0.16.9 passes.  ZeRO-1/2
-    offload computes the norm with ``.item()`` in these releases and is not
-    affected; its ``unscale_and_clip_grads`` is guarded all the same.
+    DeepSpeed 0.14.1 and 0.14.2 only, read from the released sdists of
+    0.12.6 to 0.14.5 (stage3.py, ``step``):
+
+    * up to 0.14.0: ``get_global_norm(norm_list=norm_groups)``, which ends in
+      ``math.sqrt`` and returns a Python float (the per-group norms are device
+      tensors since #4436 in 0.13.0, but the float is what reaches the clip);
+    * 0.14.1, 0.14.2: ``scaled_global_grad_norm =
+      torch.norm(torch.stack(norm_groups))`` (stage3.py:2030), a device tensor;
+    * 0.14.3, 0.14.4: ``get_global_norm`` again (#5461 reverted #5256), a float;
+    * 0.14.5 on: the per-group norm calculation returns ``total_norm.cpu()``
+      (#5504), a CPU tensor.
+
+    So the gate is ``>=0.14.1,<0.14.3``, and the source fingerprint
+    ``torch.norm(torch.stack(norm_groups))`` in ``stage3.py`` (present in
+    exactly those two releases) decides for builds with other version numbers.
+    Reproduced on an H100 with 0.14.1 (torch 2.11).  ZeRO-1/2 offload computes
+    the norm with ``.item()`` (a float, or a CPU tensor) in every release of
+    that range and is not affected; its ``unscale_and_clip_grads`` is guarded
+    all the same.
 
 Flag
     ``ZEROSHIM_OFFLOAD_CLIP_DEVICE=auto|on|off`` (default ``auto``).
@@ -39,12 +53,13 @@ Fix
     that is not on the device of the gradient partition it scales is moved
     there first, so the clip coefficient and ``combined_scale`` are computed on
     that device.  Each sub-group is handled on its own, so partially offloaded
-    optimizers (some sub-groups on the accelerator) get the norm where each
-    sub-group lives.  The loss scale is a Python float in every affected
-    release and needs no move.  Moving a float32 scalar between devices is
-    exact and the arithmetic that follows is correctly rounded on both, so the
-    step is bit-identical to the one an unaffected release computes (0.14.5
-    moves the norm to the CPU once, before the same arithmetic).
+    optimizers (some sub-groups on the accelerator, ``ratio < 1``) get the norm
+    where each sub-group lives.  The loss scale is a Python float in every
+    affected release and needs no move.  Moving a float32 scalar between
+    devices is exact and the arithmetic that follows is correctly rounded on
+    both, so the step is bit-identical to the one an unaffected release
+    computes (0.14.5 moves the norm to the CPU once, before the same
+    arithmetic).
 
 Undo
     ``zeroshim.unpatch("offload_clip_device")`` restores both methods.
@@ -54,6 +69,7 @@ from __future__ import annotations
 
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_params
+from zeroshim._source import Fingerprint
 
 NAME = "offload_clip_device"
 
@@ -133,7 +149,9 @@ PATCH = Patch(
         (r"Expected all tensors to be on the same device, but found at least two devices, (cuda:\d+|cpu) and "
          r"(cuda:\d+|cpu)", r"in unscale_and_clip_grads|mul_\(1\. / combined_scale\)"),
     ),
-    affects={"deepspeed": ">=0.13.0,<0.14.5"},
+    affects={"deepspeed": ">=0.14.1,<0.14.3"},
+    fingerprint=Fingerprint("deepspeed.runtime.zero.stage3", r"torch\.norm\(torch\.stack\(norm_groups\)\)",
+                            "ZeRO-3's global norm as a device tensor (torch.norm(torch.stack(norm_groups)), #5256)"),
     targets={
         "deepspeed.runtime.zero.stage3": patch_stage3,
         "deepspeed.runtime.zero.stage_1_and_2": patch_stage12,

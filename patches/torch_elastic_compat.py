@@ -14,24 +14,33 @@ Cause
     torch's elastic agent.  torch renamed them: ``log`` became ``logger``
     (torch 2.3/2.4) and ``_get_socket_with_port`` moved to
     ``torch.distributed.elastic.utils.distributed.get_socket_with_port``
-    (torch 2.4+).  DeepSpeed followed in #5346 (``log``, released in 0.14.1)
-    and #5654 (``_get_socket_with_port``, released in 0.14.4; upstream issue
-    #5603).
+    (torch 2.4+).
 
 Affected versions
-    DeepSpeed < 0.14.4 (checked in the tagged sources: v0.14.3 still imports
-    ``_get_socket_with_port``, v0.14.4 does not; v0.14.0 and older import
-    ``log`` as well) on a torch that no longer has the names.  Reproduced:
-    DeepSpeed 0.14.1 on torch 2.13.0.  With a torch that still has both names,
-    the patch reports itself skipped.
+    Each name has its own range, read from ``elastic_agent.py`` (line 9) in
+    the released sdists of 0.12.6 to 0.14.5:
+
+    * ``log``: imported up to 0.14.0; #5346 (first released in 0.14.1)
+      dropped the import and uses DeepSpeed's own logger, so only
+      DeepSpeed < 0.14.1 needs it;
+    * ``_get_socket_with_port``: imported up to 0.14.3; #5654 (first released
+      in 0.14.4, upstream issue #5603) switched to torch's ``get_free_port``,
+      so DeepSpeed < 0.14.4 needs it.
+
+    The patch's gate is the union, ``<0.14.4``; within it each name is added
+    only where the installed DeepSpeed imports it (``NAME_RANGES``) and torch
+    lacks it.  Reproduced: DeepSpeed 0.14.1 on torch 2.13.0 (fails on
+    ``_get_socket_with_port``).  With a torch that still has the names, the
+    patch reports itself skipped.
 
 Flag
     ``ZEROSHIM_TORCH_ELASTIC_COMPAT=auto|on|off`` (default ``auto``).
 
 Fix
     When ``torch.distributed.elastic.agent.server.api`` finishes importing
-    (DeepSpeed's ``import`` of it triggers this), zeroshim adds the missing
-    names: ``log`` as torch's own ``logger`` of that module, and
+    (DeepSpeed's ``import`` of it triggers this), zeroshim adds the names the
+    installed DeepSpeed imports and torch lacks: ``log`` as torch's own
+    ``logger`` of that module, and
     ``_get_socket_with_port`` as torch's ``get_socket_with_port`` where it
     exists, else a small function that binds a listening socket to a free port
     on localhost (what DeepSpeed's elastic agent uses it for).  Nothing that
@@ -43,16 +52,19 @@ Undo
 
 from __future__ import annotations
 
-import socket
-
+from zeroshim import _versions
 from zeroshim._core import Patch
 from zeroshim._patcher import NotAffected, Patcher
 
 NAME = "torch_elastic_compat"
+#: name DeepSpeed imports from torch's elastic agent -> the DeepSpeed releases that import it
+NAME_RANGES = {"log": "<0.14.1", "_get_socket_with_port": "<0.14.4"}
 
 
-def _socket_with_free_port() -> socket.socket:
+def _socket_with_free_port():
     """A listening TCP socket on localhost bound to a port chosen by the OS."""
+    import socket
+
     last_error = None
     for family, kind, proto, _, _ in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM):
         sock = socket.socket(family, kind, proto)
@@ -66,20 +78,30 @@ def _socket_with_free_port() -> socket.socket:
     raise RuntimeError(f"could not bind a socket on localhost: {last_error}")
 
 
+def needed_names() -> "list":
+    """The names the installed DeepSpeed imports from torch's elastic agent
+    (all of them where the version cannot be read or the patch is forced on)."""
+    version = _versions.installed("deepspeed")
+    if version is None:
+        return list(NAME_RANGES)
+    return [name for name, spec in NAME_RANGES.items() if _versions.in_range(version, spec) is not False]
+
+
 def patch_elastic_api(module, patcher: Patcher) -> None:
     added = []
-    if not hasattr(module, "_get_socket_with_port"):
+    needed = needed_names()
+    if "_get_socket_with_port" in needed and not hasattr(module, "_get_socket_with_port"):
         try:
             from torch.distributed.elastic.utils.distributed import get_socket_with_port as replacement
         except ImportError:
             replacement = _socket_with_free_port
         patcher.set(module, "_get_socket_with_port", replacement)
         added.append("_get_socket_with_port")
-    if not hasattr(module, "log") and hasattr(module, "logger"):
+    if "log" in needed and not hasattr(module, "log") and hasattr(module, "logger"):
         patcher.set(module, "log", module.logger)
         added.append("log")
     if not added:
-        raise NotAffected("torch still provides _get_socket_with_port and log")
+        raise NotAffected(f"torch still provides what this DeepSpeed imports ({', '.join(needed) or 'nothing'})")
 
 
 PATCH = Patch(

@@ -2,10 +2,16 @@
 
 Symptom
     Model or training code adds a term so that every parameter "takes part" in
-    backward (ms-swift adapters, some MoE and multimodal code)::
+    backward (the usual workaround for DDP's "parameters that were not used in
+    producing loss", carried over to DeepSpeed), built from the parameters
+    themselves::
 
         dummy = sum(p.sum() for p in self.adapter.parameters()) * 0.0
         loss = loss + dummy
+
+    (Frameworks' own dummy terms, such as ms-swift's for multimodal models, run
+    a real module forward on a dummy input; those go through DeepSpeed's hooks
+    and are not affected.)
 
     Harmless under ZeRO-1/2; under ZeRO-3 backward fails:
 
@@ -46,9 +52,23 @@ Fix
     ``reduce_ready_partitions_and_remove_grads`` is skipped, as if the hook had
     not fired (DeepSpeed's own count of fired hooks is left intact).
     Zero-multiplications that do not reach ZeRO-3 parameters, or that reach
-    them through the module hooks (``loss * 0`` to skip a batch), are left
-    alone, and ZeRO-1/2 and non-DeepSpeed runs are untouched.  The number of
-    stripped terms is logged once per engine.
+    them only through the module hooks (``loss * 0`` to skip a batch), are left
+    alone, and ZeRO-1/2 and non-DeepSpeed runs are untouched.  A mixed term
+    (``(out.sum() + sum(p.sum() for p in ps)) * 0``) reaches ``ps`` directly
+    and is cut whole.  The zero may be a Python number, or a tensor that needs
+    no grad with at most 64 elements, all zero, read when the walk meets it
+    (so a weight that is zero only at run time counts, and the same term with
+    a nonzero weight is left to fail as it does upstream: it is wrong under
+    ZeRO-3).  ``engine.backward(loss)`` and ``engine.backward(loss=loss)`` are
+    both handled.  The number of stripped terms is logged once per engine.
+
+    The loss *value*: such a term is evaluated on whatever the parameters are
+    when it is built; on an empty placeholder ``p.sum()`` gives 0 but
+    ``p.mean()`` gives NaN (the mean of no elements), and ``NaN * 0`` is NaN.
+    zeroshim cuts the term from backward, so the gradients and the step are
+    exact, but the loss the user logs can be NaN (in the tests: at the first
+    step, where the adapter is a placeholder); zeroshim says so once per
+    engine (a warning).
 
 Undo
     ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``
@@ -71,15 +91,23 @@ _MUL_NODES = ("MulBackward0", "MulBackward1")
 _cut_params: set = set()
 _announced: "weakref.WeakSet" = weakref.WeakSet()
 #: terms stripped since import (introspection and tests)
-stats = {"stripped": 0, "backward_calls_walked": 0}
+stats = {"stripped": 0, "backward_calls_walked": 0, "nan_loss_seen": 0}
+
+
+#: a tensor factor is read (and compared with zero) only up to this many elements
+_MAX_FACTOR_ELEMENTS = 64
 
 
 def _is_zero(value) -> bool:
+    """A Python number equal to 0, or a small tensor that needs no grad and is
+    all zeros (``torch.tensor(0.)``, per-term weights ``torch.zeros(n)``
+    computed at run time)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
-    if getattr(value, "requires_grad", True) or getattr(value, "numel", lambda: 0)() != 1:
+    numel = getattr(value, "numel", lambda: 0)()
+    if getattr(value, "requires_grad", True) or not 0 < numel <= _MAX_FACTOR_ELEMENTS:
         return False
-    return bool(value == 0)
+    return not bool(value.any())
 
 
 def _saved(node, name):
@@ -137,8 +165,11 @@ def _is_deepspeed_hook_node(node) -> bool:
 
 def _direct_zero3_params(node):
     """ZeRO-3 parameters reached from ``node`` without passing DeepSpeed's
-    module hooks; None if a hook node is met (the term went through a module's
-    forward, where parameters were gathered: nothing to fix)."""
+    module hooks.  A branch that meets a hook node went through a module's
+    forward, where its parameters were gathered: it is not followed.  So
+    ``loss * 0`` through the model reaches none (nothing to fix), and a mixed
+    term such as ``(out.sum() + sum(p.sum() for p in ps)) * 0`` reaches the
+    ``ps`` (and is cut whole: zero times anything contributes nothing)."""
     params, seen, stack = [], set(), [node]
     while stack:
         current = stack.pop()
@@ -146,14 +177,14 @@ def _direct_zero3_params(node):
             continue
         seen.add(current)
         if _is_deepspeed_hook_node(current):
-            return None
+            continue
         variable = getattr(current, "variable", None)  # AccumulateGrad
         if variable is not None:
             if hasattr(variable, "ds_id"):
                 params.append(variable)
             continue
         stack.extend(fn for fn, _ in current.next_functions)
-    return params
+    return params or None
 
 
 def _undefined(grad_outputs):
@@ -182,11 +213,13 @@ def strip_zero_terms(loss) -> int:
 
 # -- wrappers -------------------------------------------------------------------------
 def _engine_backward(wrapped, instance, args, kwargs):
+    """Wraps ``DeepSpeedEngine.backward(loss, ...)`` (``loss`` positional or keyword)."""
     cut = 0
     with guard(NAME):
-        if is_active(NAME) and args and instance.zero_optimization_stage() == 3:
+        loss = args[0] if args else kwargs.get("loss")
+        if is_active(NAME) and loss is not None and instance.zero_optimization_stage() == 3:
             _cut_params.clear()
-            cut = strip_zero_terms(args[0])
+            cut = strip_zero_terms(loss)
             stats["stripped"] += cut
             stats["backward_calls_walked"] += 1
             if cut and instance not in _announced:
@@ -194,6 +227,13 @@ def _engine_backward(wrapped, instance, args, kwargs):
                 _log.info("zeroshim[%s]: stripped %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters "
                           "from backward (they contribute nothing; under ZeRO-3 they crash backward). Logged once "
                           "per engine.", NAME, cut)
+                if loss.isnan().any():  # one check per engine, only where terms were cut
+                    stats["nan_loss_seen"] += 1
+                    _log.warning("zeroshim[%s]: the loss VALUE is NaN, while its gradients are exact: a "
+                                 "zero-weighted term was computed on empty ZeRO-3 placeholders outside the forward "
+                                 "(p.mean() of an empty tensor is NaN, and NaN * 0 is NaN). zeroshim cut the term "
+                                 "from backward, so training is unchanged, but what you log is NaN; build such "
+                                 "terms with p.sum() or leave them out under ZeRO-3.", NAME)
     try:
         return wrapped(*args, **kwargs)
     finally:

@@ -31,7 +31,11 @@ Affected versions
     "Z3: Support for activation ckpt with frozen params"): frozen parameters
     fetched by a forward that runs inside backward are attributed to the
     submodule currently in backward and released after that submodule's
-    backward.  Reproduced here (tiny Llama + peft LoRA, CPU) on 0.14.1, 0.16.9
+    backward.  The fix's mark, ``ds_recompute_parameters`` (the per-module set
+    of attributed parameters, in ``partitioned_param_coordinator.py``), is the
+    source fingerprint: absent in 0.19.2 and before, present from 0.19.3
+    (diffed from the released sdists), so a build with the fix backported is
+    recognised as not affected.  Reproduced here (tiny Llama + peft LoRA, CPU) on 0.14.1, 0.16.9
     and 0.19.2; the issue that asked for this patch also lists 0.17.0, 0.18.0,
     0.18.5, 0.19.0 and 0.19.1.
 
@@ -79,12 +83,12 @@ Undo
 
 from __future__ import annotations
 
-import inspect
 import threading
 import weakref
 
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr
+from zeroshim._source import Fingerprint
 
 NAME = "zero3_frozen_recompute"
 
@@ -253,6 +257,8 @@ def _forget_all() -> None:
 
 # -- applying -------------------------------------------------------------------------
 def patch_offload(module, patcher: Patcher) -> None:
+    import inspect
+
     import deepspeed.runtime.zero.partitioned_param_coordinator as ppc
     import torch
 
@@ -296,6 +302,8 @@ PATCH = Patch(
          r"recomputed metadata: \{'shape': torch\.Size\(\[0\]\)"),
     ),
     affects={"deepspeed": "<0.19.3"},
+    fingerprint=Fingerprint("deepspeed.runtime.zero.partitioned_param_coordinator", r"ds_recompute_parameters",
+                            "the 0.19.3 fix's mark (ds_recompute_parameters, #8148)", bug_when="absent"),
     targets={
         "deepspeed.runtime.zero.parameter_offload": patch_offload,
         "deepspeed.runtime.zero.stage3": patch_stage3,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-TIMEOUT = int(os.environ.get("ZEROSHIM_TEST_TIMEOUT", "900"))
+TIMEOUT = int(os.environ.get("ZSTEST_TIMEOUT", "900"))
 
 
 def ds_before(version: str) -> bool:
@@ -20,6 +20,21 @@ def ds_before(version: str) -> bool:
 
     installed = _versions.installed("deepspeed")
     return installed is not None and _versions.base_version(installed) < _versions.base_version(version)
+
+
+def matches(signature, text: str) -> bool:
+    """Does ``text`` show a patch's error signature: a regex, or a tuple of
+    regexes that must all be found (the message and what makes it that bug)?"""
+    import re
+
+    patterns = (signature,) if isinstance(signature, str) else tuple(signature)
+    return all(re.search(pattern, text) for pattern in patterns)
+
+
+def message(signature) -> str:
+    """A signature's message pattern alone, for an error recorded without its
+    traceback (the supporting evidence a signature may ask for is in whole logs)."""
+    return signature if isinstance(signature, str) else signature[0]
 
 
 SHM_DIR = Path("/dev/shm")

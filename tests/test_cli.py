@@ -26,8 +26,13 @@ EXPECTED = {
     "numpy2_compat": "would apply" if ds_before("0.14.4") and NUMPY2 else "skipped",
     "nonreentrant_checkpoint": "would apply",
     "zero3_frozen_recompute": "would apply" if ds_before("0.19.3") else "skipped",
-    "offload_clip_device": "would apply" if ds_before("0.14.5") and not ds_before("0.13.0") else "skipped",
+    "offload_clip_device": "would apply" if ds_before("0.14.3") and not ds_before("0.14.1") else "skipped",
     "zero3_dummy_loss": "would apply",
+    "zero2_offload_accumulation": "would apply" if ds_before("0.19.0") and not ds_before("0.15.2") else "skipped",
+    "zero3_delegating_wrapper": "would apply" if ds_before("0.19.3") and not ds_before("0.16.5") else "skipped",
+    "checkpoint_weights_only": "would apply" if ds_before("0.16.0") else "skipped",
+    "zero3_generate_sync": "would apply",
+    "offload_worker_fork": "would apply",
     "epoch_boundary": "would apply",
 }
 
@@ -286,3 +291,15 @@ def test_launcher_activates_every_rank_of_torchrun(tmp_path):
     with_ = torchrun([shutil.which("zeroshim-run", path=str(BIN))])
     assert with_.returncode == 0, (with_.stdout + with_.stderr)[-4000:]
     assert "RESULT trained 2 steps" in with_.stdout
+
+
+@pytest.mark.parametrize("name", sorted(n for n in zeroshim.patch_names() if zeroshim.get_patch(n).fingerprint))
+def test_source_fingerprints_agree_with_the_version_gates_here(name):
+    """In every pinned environment the installed DeepSpeed's source and its
+    version number must give the same verdict (the ranges were read from the
+    same sources); a disagreement means a range or a fingerprint is wrong."""
+    from zeroshim import _core
+
+    verdict, reason = _core.gate_verdict(zeroshim.get_patch(name))
+    assert "the source agrees" in reason, reason
+    assert verdict == (EXPECTED[name] == "would apply")

@@ -427,3 +427,70 @@ def test_log_once_per_process(caplog):
         _log.forget(key)
         assert _log.info("once only", once=key) is True
     assert [r.getMessage() for r in caplog.records].count("once only") == 2
+
+
+# -- source fingerprints ---------------------------------------------------------------
+@pytest.fixture
+def source_module(tmp_path, monkeypatch):
+    """A module file on sys.path (never imported) whose text the test writes."""
+    name = f"zs_source_{uuid.uuid4().hex[:8]}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(text):
+        (tmp_path / f"{name}.py").write_text(text)
+        return name
+    return write
+
+
+@pytest.mark.parametrize("spec,text,bug_when,affected,says", [
+    (">=1", "x = buggy_line()\n", "present", True, "the source agrees"),
+    (">=1", "x = fixed_line()\n", "present", False, "although the version says packaging"),  # a backport
+    ("<1", "x = buggy_line()\n", "present", True, "a build with another version number"),     # a fork
+    ("<1", "x = fixed_line()\n", "present", False, "the source agrees"),
+    (">=1", "x = fixed_line()\n", "absent", True, "the source agrees"),  # bug where the fix's mark is missing
+])
+def test_fingerprint_decides_over_the_version(source_module, spec, text, bug_when, affected, says):
+    from zeroshim._source import Fingerprint
+
+    module = source_module(text)
+    pattern = r"buggy_line\(\)" if bug_when == "present" else r"no_such_fix_mark"
+    patch = zeroshim.Patch(name="fp", summary="", signatures=(), affects={"packaging": spec}, targets={},
+                           fingerprint=Fingerprint(module, pattern, "the thing", bug_when=bug_when))
+    verdict, reason = _core.gate_verdict(patch)
+    assert verdict is affected and says in reason, reason
+    assert reason.startswith("affected" if affected else "not affected")
+    assert module not in sys.modules  # read as text, never imported
+
+
+def test_fingerprint_without_source_leaves_the_version_to_decide():
+    from zeroshim._source import Fingerprint
+
+    patch = zeroshim.Patch(name="fp", summary="", signatures=(), affects={"packaging": ">=1"}, targets={},
+                           fingerprint=Fingerprint("zs_no_such_module_anywhere", "x", "the thing"))
+    verdict, reason = _core.gate_verdict(patch)
+    assert verdict is True and "source fingerprint not checked" in reason
+
+
+def test_optional_target_does_not_hold_the_patch_pending(target, registry, tmp_path):
+    other = f"{target}_optional"
+    (tmp_path / f"{other}.py").write_text("def g():\n    return 1\n")
+    module = importlib.import_module(target)
+
+    def wrap_g(mod, patcher):
+        patcher.wrap(mod, "g", doubling)
+
+    patch = registry(targets={target: wrap_f(), other: wrap_g}, optional=(other,))
+    st = zeroshim.status()[patch.name]
+    assert st.state == "applied" and st.waiting_for == ()  # the optional module was never imported
+    late = importlib.import_module(other)  # ...and is patched when it is
+    try:
+        assert late.g() == ("wrapped", 1) and module.f(1) == ("wrapped", 2)
+        zeroshim.unpatch(patch.name)
+        assert late.g() == 1
+    finally:
+        sys.modules.pop(other, None)
+
+
+def test_optional_targets_must_be_targets():
+    with pytest.raises(ValueError, match="optional targets of p that are not targets"):
+        zeroshim.Patch(name="p", summary="", signatures=(), affects={}, targets={"a": None}, optional=("b",))

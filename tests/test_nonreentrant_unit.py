@@ -221,3 +221,26 @@ def test_bypass_probe_notices_a_replaced_class(monkeypatch):
     monkeypatch.setattr(tuc, "CheckpointFunction", OwnFunction)
     assert "CheckpointFunction was replaced by" in ncp.bypass()
     assert zeroshim.status()["nonreentrant_checkpoint"].state == "bypassed"
+
+
+def test_the_engine_in_forward_decides_not_any_live_engine(layer):
+    """A ZeRO-3 engine that has run stays alive (its hooks hold it); a ZeRO-0
+    engine's forward must still convert nothing."""
+    from zeroshim import _engines
+
+    zero3, zero0 = FakeEngine(), FakeEngine()
+    ncp._zero_engines[zero3] = 3  # alive, not running
+    try:
+        assert ncp.active_zero_stage() == 3  # outside any forward: the live engines decide
+        stack = _engines._in_forward()
+        stack.append(zero0)  # inside the ZeRO-0 engine's forward (never registered: stage 0)
+        try:
+            assert ncp.active_zero_stage() == 0
+            assert grad_fn_name(layer) == "CheckpointFunctionBackward"  # kept reentrant
+            stack.append(zero3)
+            assert ncp.active_zero_stage() == 3
+            stack.pop()
+        finally:
+            stack.pop()
+    finally:
+        del ncp._zero_engines[zero3]

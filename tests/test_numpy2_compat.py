@@ -1,23 +1,22 @@
 """Patch numpy2_compat: DeepSpeed < 0.14.4 with numpy 2.
 
 The environment keeps numpy < 2 (its pins); where nox provides numpy 2 in a
-side directory (ZEROSHIM_TEST_NUMPY2), DeepSpeed is run with it first on
+side directory (ZSTEST_NUMPY2), DeepSpeed is run with it first on
 PYTHONPATH: the import fails without the patch and real ZeRO-2/3 training
 works with it."""
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
 import zeroshim
-from harness import clean_env, torchrun
+from harness import clean_env, matches, torchrun
 from zeroshim import _versions
 
 PATCH = zeroshim.get_patch("numpy2_compat")
-NUMPY2 = os.environ.get("ZEROSHIM_TEST_NUMPY2")
+NUMPY2 = os.environ.get("ZSTEST_NUMPY2")
 needs_numpy2 = pytest.mark.skipif(not NUMPY2, reason="no numpy 2 side directory in this environment")
 
 
@@ -40,7 +39,7 @@ def python(code, tmp_path, **env):
 def test_import_fails_without_the_patch_and_works_with_it(tmp_path):
     code = "import zeroshim, numpy, deepspeed; print(numpy.__version__, deepspeed.__version__)"
     off = python(code, tmp_path, ZEROSHIM_NUMPY2_COMPAT="off")
-    assert off.returncode != 0 and re.search(PATCH.signatures[0], off.stderr), off.stderr[-2000:]
+    assert off.returncode != 0 and matches(PATCH.signatures[0], off.stderr), off.stderr[-2000:]
     on = python(code + "; print(zeroshim.status()['numpy2_compat'].state)", tmp_path)
     assert on.returncode == 0, on.stderr[-2000:]
     numpy_version, ds_version, state = on.stdout.split()[-3:]

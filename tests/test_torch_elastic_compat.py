@@ -63,24 +63,44 @@ def test_flag_off_brings_the_failure_back(tmp_path):
     assert (out.returncode != 0) == AFFECTED
 
 
+@pytest.mark.skipif(not AFFECTED, reason=f"DeepSpeed {DS} on this torch is not affected (nothing is added)")
 def test_added_names_work_and_undo_removes_them():
     import torch.distributed.elastic.agent.server.api as api
 
-    if not AFFECTED:
-        assert zeroshim.status()["torch_elastic_compat"].state == "skipped"
-        return
     assert zeroshim.is_applied("torch_elastic_compat")
     sock = api._get_socket_with_port()
     try:
         assert sock.getsockname()[1] > 0
     finally:
         sock.close()
+    # only what this DeepSpeed imports: `log` is imported by DeepSpeed < 0.14.1 alone
+    assert hasattr(api, "log") == (_versions.base_version(DS) < _versions.base_version("0.14.1"))
     zeroshim.unpatch("torch_elastic_compat")
     try:
         assert not hasattr(api, "_get_socket_with_port")
     finally:
         zeroshim.apply("torch_elastic_compat")
     assert hasattr(api, "_get_socket_with_port")
+
+
+@pytest.mark.skipif(AFFECTED, reason=f"DeepSpeed {DS} on this torch is affected (see the test above)")
+def test_not_affected_here_reports_skipped():
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (the target is imported)
+
+    status = zeroshim.status()["torch_elastic_compat"]
+    assert status.state == "skipped" and status.reason.startswith("not affected"), status
+
+
+@pytest.mark.parametrize("version,names", [("0.13.5", ["log", "_get_socket_with_port"]),
+                                           ("0.14.0", ["log", "_get_socket_with_port"]),
+                                           ("0.14.1", ["_get_socket_with_port"]),
+                                           ("0.14.3", ["_get_socket_with_port"]),
+                                           ("0.14.4", [])])
+def test_each_name_has_its_own_range(monkeypatch, version, names):
+    from zeroshim.patches import torch_elastic_compat as patch
+
+    monkeypatch.setattr(patch._versions, "installed", lambda package: version)
+    assert patch.needed_names() == names
 
 
 def test_fallback_socket_helper():

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import zeroshim
-from harness import torchrun
+from harness import message, torchrun
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_dummy_loss")
@@ -26,7 +26,7 @@ def test_fails_without_zeroshim(ranks, placement, zero):
         assert not run["ok"], "the dummy loss trained without zeroshim: the test cannot fail"
         # Which of the two errors appears depends on the release: 0.19.8 reports an unused
         # adapter at the reduce step, 0.14.1 already in SumBackward0.
-        assert any(re.search(sig, run["error"]) for sig in PATCH.signatures), run["error"]
+        assert any(re.search(message(sig), run["error"]) for sig in PATCH.signatures), run["error"]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -60,3 +60,30 @@ def test_zero_multiplication_through_module_hooks_is_left_alone(ranks):
 
 def test_status(ranks):
     assert ranks[0]["status"]["zero3_dummy_loss"]["state"] == "applied"
+
+
+FORMS = ("keyword", "mixed", "runtime_weights", "mean")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_further_forms_fail_without_zeroshim(ranks, form):
+    for rank in ranks:
+        run = rank[f"form/without/{form}"]
+        assert not run["ok"], f"{form}: trained without zeroshim: the test cannot fail"
+        assert any(re.search(message(sig), run["error"]) for sig in PATCH.signatures), run["error"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_further_forms_train_exactly_as_without_the_term(ranks, form):
+    for rank in ranks:
+        run, ref = rank[f"form/with/{form}"], rank["reference/used"]
+        assert run["ok"], run.get("error")
+        assert run["stripped"] == 2  # one term per step, 2 steps
+        assert run["param_sha256"] == ref["param_sha256"]
+        if form == "mean":  # p.mean() of an empty placeholder is NaN: the logged value, never the step
+            assert run["losses"][0] != run["losses"][0]  # first step: the adapter is a placeholder there
+            assert all(loss != loss or loss == ref_loss for loss, ref_loss in zip(run["losses"], ref["losses"]))
+            assert run["nan_warned"] == 1  # said once per engine
+        else:
+            assert run["losses"] == ref["losses"]
+            assert run["nan_warned"] == 0

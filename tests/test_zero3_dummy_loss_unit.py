@@ -46,20 +46,39 @@ def test_walk_leaves_a_deep_graph_intact():
     assert all(layer.weight.grad is not None for layer in layers)
 
 
+class ModuleHook(torch.autograd.Function):
+    """Stands in for DeepSpeed's module hook Functions (PreBackwardFunctionForModule
+    & co.): the walk recognises them by their module name."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+ModuleHook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+
+
 def test_walk_reads_no_saved_tensor_of_a_checkpointed_block():
     """Reading a saved tensor of a non-reentrant checkpoint runs the block's
     forward again (under ZeRO-3: gathers its parameters, and on DeepSpeed <
-    0.19.3 fails the metadata check).  The walk must decide from the graph's
-    shape wherever it can; here nothing reaches a ZeRO-3 parameter."""
+    0.19.3 fails the metadata check).  Inside the block a ZeRO-3 parameter sits
+    behind a module hook, as under a real engine, and is multiplied by a
+    tensor factor: the walk must not follow the hook's branch, so it never
+    needs that factor's saved value."""
     from torch.utils.checkpoint import checkpoint
 
     lin, lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    lin.weight.ds_id = 1  # a ZeRO-3 parameter inside the checkpointed block
     mask = torch.rand(2, 8)
     runs = []
 
     def block(h):
         runs.append(1)
-        h = torch.tanh(lin(h)) * mask  # tensor factor without grad
+        h = ModuleHook.apply(torch.tanh(lin(h))) * mask  # tensor factor without grad, over a hooked module
         h = h * lin2(h)  # both sides carry gradients
         return h * 0.5  # number factor
 
@@ -70,3 +89,29 @@ def test_walk_reads_no_saved_tensor_of_a_checkpointed_block():
     assert len(runs) == 1, "the walk re-ran the checkpointed forward"
     loss.backward()
     assert len(runs) == 2  # backward's own recompute
+    assert lin.weight.grad is not None
+
+
+def test_mixed_term_is_cut_whole():
+    w = torch.nn.Parameter(torch.randn(4))
+    a = torch.nn.Parameter(torch.randn(4))
+    a.ds_id = 3
+    out = ModuleHook.apply((w * 2).sum())  # what went through a module's forward
+    loss = out + (out * 1.0 + a.sum()) * 0.0
+    assert z.strip_zero_terms(loss) == 1
+    loss.backward()
+    assert a.grad is None and torch.equal(w.grad, torch.full((4,), 2.0))
+    z._cut_params.clear()
+
+
+def test_zero_weights_computed_at_run_time():
+    a = torch.nn.Parameter(torch.randn(4))
+    a.ds_id = 4
+    parts = torch.stack([a[:2].sum(), a[2:].sum()])
+    assert z.strip_zero_terms((parts * torch.zeros(2)).sum() + (a * 3).sum()) == 1
+    z._cut_params.clear()
+    parts = torch.stack([a[:2].sum(), a[2:].sum()])
+    assert z.strip_zero_terms((parts * torch.tensor([0.0, 1e-3])).sum()) == 0  # not all zero: left alone
+    big = torch.nn.Parameter(torch.randn(100))
+    big.ds_id = 5
+    assert z.strip_zero_terms((big * torch.zeros(100)).sum()) == 0  # too large a factor to read: left alone

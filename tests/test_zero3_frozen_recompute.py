@@ -13,13 +13,12 @@ gathered at any point of backward than DeepSpeed 0.19.8 holds.
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 
 import zeroshim
-from harness import clean_env, ds_before, torchrun
+from harness import clean_env, ds_before, matches, torchrun
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_frozen_recompute")
@@ -46,7 +45,7 @@ def test_fails_without_zeroshim_where_upstream_has_the_bug(ranks):
         run = rank["without/nonreentrant"]
         if AFFECTED:
             assert not run["ok"], "LoRA + non-reentrant checkpointing trained without zeroshim: the test cannot fail"
-            assert re.search(PATCH.signatures[0], run["error"]), run["error"]
+            assert matches(PATCH.signatures[0], run["error"]), run["error"]
         else:
             assert run["ok"], run.get("error")  # upstream's fix (0.19.3)
 
@@ -104,7 +103,7 @@ def test_released_at_end_of_backward_when_post_backward_hooks_never_fire(ranks):
         assert ref["ok"], ref.get("error")
         assert run["ok"], run.get("error")
         if AFFECTED:
-            assert not without["ok"] and re.search(PATCH.signatures[0], without["error"]), without
+            assert not without["ok"] and matches(PATCH.signatures[0], without["error"]), without
             assert run["patch_stats"]["leftover_params"] > 0  # the end-of-backward path ran
         else:
             assert without["ok"], without.get("error")
@@ -183,7 +182,7 @@ def test_trainer_without_zeroshim(trainer_runs):
     for rank in trainer_runs["without"]:
         if AFFECTED:
             assert not rank["run"]["ok"], "Trainer + LoRA + checkpointing trained: the test cannot fail"
-            assert re.search(PATCH.signatures[0], rank["run"]["error"]), rank["run"]["error"]
+            assert matches(PATCH.signatures[0], rank["run"]["error"]), rank["run"]["error"]
         else:
             assert rank["run"]["ok"], rank["run"].get("error")
 
@@ -206,6 +205,6 @@ def test_trainer_needs_this_patch_where_affected(trainer_runs):
         assert rank["status"][PATCH.name]["state"] in ("disabled", "skipped")
         if AFFECTED:
             assert not rank["run"]["ok"]
-            assert re.search(PATCH.signatures[0], rank["run"]["error"]), rank["run"]["error"]
+            assert matches(PATCH.signatures[0], rank["run"]["error"]), rank["run"]["error"]
         else:
             assert rank["run"]["ok"], rank["run"].get("error")

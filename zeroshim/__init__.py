@@ -35,13 +35,15 @@ __all__ = [
 
 
 def epoch_boundary(engine=None) -> dict:
-    """Call between epochs of a custom training loop: release every gathered
-    ZeRO-3 parameter of ``engine`` (default: every live ZeRO-3 engine), collect
-    garbage, empty the accelerator caches and return freed heap to the OS
-    (glibc ``malloc_trim``).  HF Trainer's epoch end and a re-iterated
-    DataLoader given to ``deepspeed.initialize`` do this by themselves (patch
-    ``epoch_boundary``).  Works whatever that patch's flag says.  Returns what
-    was done (see ``zeroshim.patches.epoch_boundary.epoch_boundary``)."""
+    """Call between epochs of a custom training loop, on every rank: release
+    every gathered ZeRO-3 parameter of ``engine`` (default: every live ZeRO-3
+    engine; DeepSpeed's ``empty_partition_cache``, which also collects garbage
+    and empties the accelerator cache), empty the pinned host cache and return
+    freed heap to the OS (glibc ``malloc_trim``).  HF Trainer's epoch begin and
+    a re-iterated DataLoader given to ``deepspeed.initialize`` do this by
+    themselves (patch ``epoch_boundary``).  Works whatever that patch's flag
+    says.  Returns what was done (see
+    ``zeroshim.patches.epoch_boundary.epoch_boundary``)."""
     from importlib import import_module
 
     from ._core import load_patches

@@ -37,7 +37,7 @@ def _verdicts() -> list:
 
 
 def _affected(name: str) -> bool:
-    return _versions.check_affected(_core.get_patch(name).affects)[0]
+    return _core.gate_verdict(_core.get_patch(name))[0]
 
 
 def _coverage(name: str) -> str:

@@ -38,13 +38,14 @@ class Patch:
     """The declaration of one patch (immutable once registered)."""
 
     __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc", "needs", "bypass",
-                 "check_config", "coexists")
+                 "check_config", "coexists", "fingerprint", "optional")
 
     def __init__(self, name: str, summary: str, signatures: "Tuple[str, ...]", affects: "Mapping[str, str]",
                  targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = "",
                  needs: "Optional[Mapping[str, str]]" = None, bypass: "Optional[Callable[[], Optional[str]]]" = None,
                  check_config: "Optional[Callable[[dict, object], list]]" = None,
-                 coexists: "Optional[Mapping[str, str]]" = None):
+                 coexists: "Optional[Mapping[str, str]]" = None, fingerprint: "Optional[object]" = None,
+                 optional: "Iterable[str]" = ()):
         #: stable name; the flag is ZEROSHIM_<NAME>
         self.name = name
         #: one line: the symptom, as the user sees it
@@ -73,6 +74,22 @@ class Patch:
         #: distribution name -> what that library does to this patch's targets and
         #: what zeroshim does then (``zeroshim doctor`` lists the installed ones)
         self.coexists = dict(coexists or {})
+        #: a :class:`zeroshim._source.Fingerprint`: what the target's source must
+        #: contain (or lack) for the bug to exist; where the source can be read it
+        #: decides over the version numbers in ``affects`` (see :func:`gate_verdict`)
+        self.fingerprint = fingerprint
+        #: targets patched when they are imported that do not hold the patch
+        #: ``pending`` (a module a training run may never import, such as
+        #: ``deepspeed.utils.zero_to_fp32``)
+        self.optional = frozenset(optional)
+        unknown = self.optional - set(self.targets)
+        if unknown:
+            raise ValueError(f"optional targets of {name} that are not targets: {sorted(unknown)}")
+
+    @property
+    def required(self) -> "Set[str]":
+        """The targets that must all be patched for the patch to be ``applied``."""
+        return set(self.targets) - self.optional
 
     @property
     def flag(self) -> str:
@@ -305,13 +322,37 @@ def sync() -> None:
             _refresh(patch, state)
 
 
+def gate_verdict(patch: Patch) -> "Tuple[bool, str]":
+    """Is the bug a patch fixes present here?  The version ranges in
+    ``affects``; where the patch declares a source fingerprint and the source
+    can be read, the fingerprint decides (a vendor build with the fix
+    backported, or a fork with another version number), and the reason says
+    so when the two disagree.  Imports nothing."""
+    affected, reason = _versions.check_affected(patch.affects)
+    fingerprint = patch.fingerprint
+    if fingerprint is None or reason.endswith(" is not installed"):
+        return affected, reason
+    from . import _source
+
+    bug, seen = _source.check(fingerprint)
+    if bug is None:
+        return affected, f"{reason} (source fingerprint not checked: {seen})"
+    if bug == affected:
+        return affected, f"{reason}; the source agrees: {seen}"
+    if bug:
+        return True, (f"affected: {seen}, although the version says {reason.removeprefix('not affected: ')} "
+                      "(a build with another version number?)")
+    return False, (f"not affected: {seen}, although the version says {reason.removeprefix('affected: ')} "
+                   "(a build with the fix?)")
+
+
 def _gate(patch: Patch, state: _State) -> bool:
-    """Check the version gate (once); False (and SKIPPED) if not affected."""
+    """Check the gate (once); False (and SKIPPED) if not affected."""
     if state.mode == "on":
         state.reason = f"forced on by {state.why} (version gate ignored)"
         return True
     if state.gate is None:
-        state.gate = _versions.check_affected(patch.affects)
+        state.gate = gate_verdict(patch)
     affected, reason = state.gate
     if not affected:
         _undo(patch, state, SKIPPED, reason)
@@ -335,8 +376,8 @@ def _on_import(name: str, module_name: str, module: object) -> None:
     with _lock:
         _waiting.discard((name, module_name))
         patch, state = _patches[name], _states[name]
-        if state.state != PENDING or module_name in state.done:
-            return
+        if state.state not in (PENDING, APPLIED) or module_name in state.done:
+            return  # (an optional target may arrive after the patch is applied)
         try:
             if not _gate(patch, state):
                 return
@@ -362,7 +403,7 @@ def _on_import(name: str, module_name: str, module: object) -> None:
 
 
 def _refresh(patch: Patch, state: _State) -> None:
-    if state.state == PENDING and state.done.issuperset(patch.targets):
+    if state.state == PENDING and state.done.issuperset(patch.required):
         state.state = APPLIED
         _log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
 
@@ -421,7 +462,7 @@ def missing_dependency(name: str) -> "Optional[Tuple[str, str, str]]":
                 return dep, when, "it is not registered"
             if state.state in (APPLIED, PENDING) or state.reason.startswith("not affected"):
                 continue
-            if not _versions.check_affected(patch.affects)[0]:
+            if not gate_verdict(patch)[0]:
                 continue  # off, failed or changed, but the bug it fixes is absent here anyway
             return dep, when, f"{dep} is {state.state}: {state.reason}"
         return None
@@ -439,7 +480,8 @@ def status(name: Optional[str] = None) -> Dict[str, PatchStatus]:
             state = _states[patch_name]
             if state.state == PENDING and not state.sticky:
                 _gate(patch, state)
-            waiting = tuple(m for m in patch.targets if m not in state.done) if state.state == PENDING else ()
+            waiting = tuple(m for m in patch.targets if m not in state.done and m not in patch.optional) \
+                if state.state == PENDING else ()
             bypass = _bypassed(patch, state)
             if bypass:
                 out[patch_name] = PatchStatus(patch_name, BYPASSED, f"{bypass} (wrappers applied: {state.reason})",

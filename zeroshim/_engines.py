@@ -12,13 +12,18 @@ outlives the user's last reference to it.
 Engines built before the tracker was installed (``import zeroshim`` after
 ``deepspeed.initialize``, or ``zeroshim.apply()`` after an ``unpatch()``) are
 found once, when it is installed, by a scan of the objects the garbage
-collector tracks (only when ``deepspeed.runtime.engine`` was imported before;
-a few tens of milliseconds for a process holding a large model).
+collector tracks, after a collection so that engines the program already
+dropped do not count (only when ``deepspeed.runtime.engine`` was imported
+before; the cost of one ``gc.collect()`` and one pass over the objects).
 
-The tracker also wraps ``DeepSpeedEngine.forward`` to run every applied
-patch's bypass probe (``Patch.bypass``: has another library replaced what the
-patch wraps?) once per engine, at its first forward; the probes also run when
-an engine is created.
+The tracker also wraps ``DeepSpeedEngine.forward``: it keeps, per thread, the
+engines whose forward is running (:func:`current`: the engine in use, which a
+patch should prefer to "any live engine": an engine that has run keeps itself
+alive through the hooks it registered on its own parameters, which the
+garbage collector cannot see, so live is not the same as in use), and it runs
+every applied patch's bypass probe (``Patch.bypass``: has another library
+replaced what the patch wraps?) once per engine, at its first forward; the
+probes also run when an engine is created.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ _probed: "weakref.WeakSet" = weakref.WeakSet()
 _users: "Set[str]" = set()
 _patcher = Patcher(PATCH_NAME)
 _lock = threading.RLock()
+_local = threading.local()
 #: engines found by the scan at install time, since import (introspection and tests)
 stats = {"found_existing": 0}
 
@@ -65,12 +71,40 @@ def _track(wrapped, instance, args, kwargs):
     return result
 
 
-def _first_forward(wrapped, instance, args, kwargs):
+def _forward(wrapped, instance, args, kwargs):
     with guard(PATCH_NAME):
         if instance in engines and instance not in _probed:
             _probed.add(instance)
             _check_bypasses()
-    return wrapped(*args, **kwargs)
+    stack = _in_forward()
+    stack.append(instance)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        stack.pop()
+
+
+def _in_forward() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def current():
+    """The innermost DeepSpeed engine whose forward is running on this thread, or None."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def stage_in_use() -> int:
+    """The ZeRO stage of the engine whose forward is running on this thread (0 for
+    a ZeRO-0 engine); outside any engine's forward, the highest stage of a live
+    engine (a model called directly, ``engine.module(...)``)."""
+    engine = current()
+    if engine is not None:
+        return engines.get(engine, 0)
+    return max_stage()
 
 
 def _existing(engine_cls) -> "List[object]":
@@ -79,6 +113,7 @@ def _existing(engine_cls) -> "List[object]":
     objects compute (torch's deprecated ``reduce_op`` warns when touched)."""
     import gc
 
+    gc.collect()  # engines already dropped but still in reference cycles are not "live"
     classes, todo = set(), [engine_cls]
     while todo:  # DeepSpeedEngine and its subclasses (pipeline, hybrid engines)
         cls = todo.pop()
@@ -98,7 +133,7 @@ def use(patch_name: str, module, patcher: Patcher) -> None:
     with _lock:
         if not _users:
             _patcher.wrap(engine_cls, "__init__", _track)
-            _patcher.wrap(engine_cls, "forward", _first_forward)
+            _patcher.wrap(engine_cls, "forward", _forward)
             # Right after the module's own import no engine can exist yet; the
             # import machinery still marks the module as initialising then.
             if not getattr(getattr(module, "__spec__", None), "_initializing", False):

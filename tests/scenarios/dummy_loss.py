@@ -43,6 +43,45 @@ class Net(nn.Module):
         return loss
 
 
+# Further forms of the term (issue #15); each added outside the forward to the model's loss.
+def _params(engine):
+    return list(engine.module.adapter.parameters())
+
+
+FORMS = {
+    # engine.backward(loss=...) as a keyword
+    "keyword": (lambda engine, out: sum(p.sum() for p in _params(engine)) * 0.0, {"keyword": True}),
+    # a mixed term: part through the model (DeepSpeed's hooks), part over the raw parameters
+    "mixed": (lambda engine, out: (out * 1.0 + sum(p.sum() for p in _params(engine))) * 0.0, {}),
+    # per-parameter weights computed at run time, all zero this step
+    "runtime_weights": (lambda engine, out: (torch.stack([p.sum() for p in _params(engine)])
+                                             * torch.zeros(len(_params(engine)))).sum(), {}),
+    # mean of the empty placeholder: the term's value is NaN
+    "mean": (lambda engine, out: sum(p.mean() for p in _params(engine)) * 0.0, {}),
+}
+
+
+def train_form(form, stage=3) -> dict:
+    term, opts = FORMS[form]
+    torch.manual_seed(0)
+    model = Net(use_adapter=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    gen = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen).to(engine.module.body.weight.dtype)
+        out = engine(x)
+        loss = out + term(engine, out)
+        if opts.get("keyword"):
+            engine.backward(loss=loss)
+        else:
+            engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine)}
+
+
 def train_whole_loss_zero(stage) -> dict:
     """``loss * 0.0`` (skipping a batch): reaches the parameters only through
     DeepSpeed's module hooks, where they were gathered; must not be touched."""
@@ -86,6 +125,8 @@ def main():
     for stage in (0, 2):
         results[f"z{stage}/without"] = attempt(train, stage, "unused_outside", "0.0")
     results["whole_loss_zero/without"] = attempt(train_whole_loss_zero, 3)
+    for form in FORMS:
+        results[f"form/without/{form}"] = attempt(train_form, form)
 
     zeroshim = enable_zeroshim()
     from zeroshim.patches import zero3_dummy_loss as patch
@@ -106,6 +147,12 @@ def main():
     run = attempt(train_whole_loss_zero, 3)
     run["stripped"] = patch.stats["stripped"] - before
     results["whole_loss_zero/with"] = run
+    for form in FORMS:
+        before, nan_before = patch.stats["stripped"], patch.stats.get("nan_loss_seen", 0)
+        run = attempt(train_form, form)
+        run["stripped"] = patch.stats["stripped"] - before
+        run["nan_warned"] = patch.stats.get("nan_loss_seen", 0) - nan_before
+        results[f"form/with/{form}"] = run
     write_results(out, results)
 
 

@@ -109,7 +109,7 @@ def main():
         results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
         from zeroshim.patches import epoch_boundary
 
-        results["epoch_boundaries"] = epoch_boundary.stats["boundaries"]  # Trainer's epoch ends (patch epoch_boundary)
+        results["epoch_boundaries"] = epoch_boundary.stats["boundaries"]  # Trainer's epoch begins after the first (patch epoch_boundary)
     write_results(args.out, results)
 
 

@@ -1,0 +1,76 @@
+"""Scenario for patch ``zero3_generate_sync``: ``generate()`` on a tiny Llama
+partitioned by a raw ``deepspeed.initialize`` (ZeRO-3, no HfDeepSpeedConfig),
+2 ranks that stop at different lengths (rank 0 after 2 new tokens, rank 1
+after 6).  ``--mode without`` runs it without zeroshim: a rank that finishes
+first leaves the loop and the other blocks in its next all-gather; a watchdog
+records that as ``hang`` after ``--timeout`` seconds and ends the process.
+``--mode with`` runs it with zeroshim.  Both record the tokens next to the
+reference: the same model, unpartitioned, generating in this process first.
+"""
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+if "with" in sys.argv:
+    import zeroshim  # noqa: F401
+
+import torch
+
+from common import ds_config, import_deepspeed, init_distributed, versions, write_results
+
+deepspeed = import_deepspeed()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=["without", "with"], required=True)
+    parser.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args()
+    rank, world = init_distributed()
+    results = {"versions": versions(), "mode": args.mode}
+    model = tiny_llama()
+    prompt = torch.tensor([[1, 5 + rank, 9, 17]])
+    new_tokens = 2 if rank == 0 else 6
+    kw = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        results["reference"] = model.generate(prompt, **kw)[0].tolist()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, micro_batch=1, bf16=False))
+    results["partitioned"] = all(hasattr(p, "ds_id") for p in engine.module.parameters())
+
+    def watchdog():
+        time.sleep(args.timeout)
+        if "tokens" not in results:  # generate never returned on this rank
+            results["tokens"] = "hang"
+        write_results(args.out, results)
+        os._exit(0)  # a rank that finished may be waiting for one that hangs
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    start = time.time()
+    with torch.no_grad():
+        results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
+    results["seconds"] = time.time() - start
+    if "zeroshim" in sys.modules:
+        from zeroshim.patches import zero3_generate_sync as patch
+
+        results["synced"] = patch.stats["synced"]
+        results["status"] = sys.modules["zeroshim"].status()["zero3_generate_sync"].as_dict()
+    write_results(args.out, results)
+    torch.distributed.barrier()  # the other rank may still hang: the watchdog ends this one then
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""One kit over every patch (the idea of dd-trace-py's PatchTestCase), each
+order in a fresh interpreter:
+
+* targets imported first, then ``import zeroshim``; and ``import zeroshim``
+  first, then the targets (post-import hooks);
+* every patch the gate admits is ``applied``; none reports a changed target
+  or a failure (the upstream canary, ``nox -s canary``, runs this against
+  the newest releases);
+* each recorded change is a wrapper of its own patch wrapping something that
+  is not (wrapped exactly once), also after ``apply()`` twice;
+* ``unpatch()`` twice restores every attribute to the very object (or the
+  absence) that was there before; ``apply()`` brings every patch back.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import clean_env
+
+pytestmark = pytest.mark.deepspeed
+
+KIT = r'''
+import json, sys
+ORDER = sys.argv[1]
+TARGETS = None
+
+
+def import_targets():
+    import importlib
+    import zeroshim
+    from zeroshim import _core
+    done = {}
+    for name in zeroshim.patch_names():
+        for module in _core.get_patch(name).targets:
+            try:
+                importlib.import_module(module)
+                done[module] = "ok"
+            except Exception as exc:  # a target that does not exist in this environment
+                done[module] = repr(exc)
+    return done
+
+
+TARGET_MODULES = ["torch.utils.checkpoint", "torch.utils.data.dataloader", "numpy",
+                  "torch.distributed.elastic.agent.server.api", "transformers.trainer_callback",
+                  "deepspeed.runtime.engine", "deepspeed.runtime.dataloader", "deepspeed.runtime.zero.stage3",
+                  "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.parameter_offload"]
+if ORDER == "targets_first":
+    import importlib
+    for module in TARGET_MODULES:
+        try:  # DeepSpeed < 0.14.4 cannot be imported before zeroshim's import shims: it comes after
+            importlib.import_module(module)
+        except Exception:
+            pass
+import zeroshim
+from zeroshim import _core, _engines
+from zeroshim._patcher import _MISSING, is_patched_by
+imported = import_targets()
+
+
+def changes():
+    out = {}
+    for name in zeroshim.patch_names():
+        patcher = _core._states[name].patcher
+        out[name] = list(patcher._changes) if patcher is not None else []
+    out["engine_tracking"] = list(_engines._patcher._changes)  # the tracker shared by patches
+    return out
+
+
+def wrapped_once(records, name):
+    bad = []
+    for owner, attr, previous, value in records:
+        if owner is None:
+            continue  # an on_undo callback
+        if getattr(value, "_self_zeroshim_patch", None) is not None:
+            if not is_patched_by(value, name) or is_patched_by(value.__wrapped__, name):
+                bad.append(f"{owner!r}.{attr}")
+    return bad
+
+
+result = {"imported": imported, "status": {k: [v.state, v.reason] for k, v in zeroshim.status().items()}}
+first = changes()
+result["wrapped_twice"] = {n: wrapped_once(r, n) for n, r in first.items()}
+result["changed_attributes"] = sum(1 for r in first.values() for owner, *_ in r if owner is not None)
+zeroshim.apply(); zeroshim.apply()
+again = changes()
+result["same_after_apply_twice"] = {n: [(o, a, v) for o, a, _, v in again[n]] == [(o, a, v) for o, a, _, v in first[n]]
+                                    for n in first}
+result["wrapped_twice_after_apply"] = {n: wrapped_once(r, n) for n, r in again.items()}
+zeroshim.unpatch(); zeroshim.unpatch()
+restored = {}
+for name, records in first.items():
+    wrong = []
+    for owner, attr, previous, value in records:
+        if owner is None:
+            continue
+        if vars(owner).get(attr, _MISSING) is not previous:
+            wrong.append(f"{owner!r}.{attr}")
+    restored[name] = wrong
+result["not_restored"] = restored
+result["states_after_unpatch"] = sorted({v.state for v in zeroshim.status().values()})
+zeroshim.apply()
+result["status_after_reapply"] = {k: v.state for k, v in zeroshim.status().items()}
+print("KIT" + json.dumps(result))
+'''
+
+
+@pytest.fixture(scope="module", params=["targets_first", "zeroshim_first"])
+def kit(request, tmp_path_factory):
+    env = clean_env()
+    out = subprocess.run([sys.executable, "-c", KIT, request.param], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path_factory.mktemp("kit"))
+    lines = [line for line in out.stdout.splitlines() if line.startswith("KIT")]
+    assert out.returncode == 0 and lines, (out.stdout + out.stderr)[-4000:]
+    return json.loads(lines[-1][3:])
+
+
+def test_every_target_imports(kit):
+    assert all(v == "ok" for v in kit["imported"].values()), kit["imported"]
+
+
+def test_no_patch_reports_a_changed_target_or_a_failure(kit):
+    for name, (state, reason) in kit["status"].items():
+        assert state in ("applied", "skipped"), (name, state, reason)
+        if state == "skipped":
+            assert reason.startswith("not affected"), (name, reason)
+
+
+def test_wrapped_exactly_once(kit):
+    assert kit["changed_attributes"] > 5  # the kit looked at real changes
+    assert not any(kit["wrapped_twice"].values()), kit["wrapped_twice"]
+    assert not any(kit["wrapped_twice_after_apply"].values()), kit["wrapped_twice_after_apply"]
+    assert all(kit["same_after_apply_twice"].values()), kit["same_after_apply_twice"]
+
+
+def test_unpatch_twice_restores_every_attribute_exactly(kit):
+    assert not any(kit["not_restored"].values()), kit["not_restored"]
+    assert kit["states_after_unpatch"] == ["disabled"]
+
+
+def test_apply_after_unpatch_restores_the_states(kit):
+    assert kit["status_after_reapply"] == {k: v[0] for k, v in kit["status"].items()}
