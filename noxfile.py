@@ -2,7 +2,7 @@
 
     nox -s tests            every environment of the matrix, one after another
     nox -s "tests(env='ds0.19.8')"   one of them
-    nox -s demo             the checkpointing demo (fails without zeroshim, trains with it)
+    nox -s demo             `zeroshim prove`: each patch that applies, without and with zeroshim
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
 
@@ -85,9 +85,10 @@ def tests(session, env):
 
 @nox.session
 def demo(session):
-    """Reentrant checkpointing under ZeRO-2/3 on 2 ranks: without, then with zeroshim."""
+    """`zeroshim prove` in the newest environment: every patch that applies there, reproduced on
+    2 CPU ranks without zeroshim and with it, as a table (posargs go to `zeroshim prove`)."""
     _install(session, DEMO_ENV)
-    session.run("python", "examples/checkpoint_demo.py", *session.posargs, env=_env(session))
+    session.run("zeroshim", "prove", *session.posargs, env=_env(session))
 
 
 @nox.session

@@ -16,6 +16,7 @@ PATCH_MODULES = (
     "zero3_delegating_wrapper",
     "checkpoint_weights_only",
     "zero3_generate_sync",
+    "zero3_moe_leaf",
     "offload_worker_fork",
     "epoch_boundary",
 )

@@ -194,7 +194,8 @@ def _forget() -> None:
 
 PATCH = Patch(
     name=NAME,
-    summary="ZeRO-3 offload: host memory grows at epoch boundaries (free gathered params, caches, heap)",
+    summary="ZeRO-3: parameters left gathered and freed heap held into the next epoch (released at each epoch "
+            "boundary)",
     signatures=(),
     affects={"deepspeed": ""},
     targets={

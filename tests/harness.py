@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCENARIOS = Path(__file__).parent / "scenarios"
+import zeroshim
+
+# The scenarios ship inside the package (zeroshim prove runs them too): the installed copy is tested.
+SCENARIOS = Path(zeroshim.__file__).parent / "scenarios"
 TIMEOUT = int(os.environ.get("ZSTEST_TIMEOUT", "900"))
 
 
@@ -83,7 +86,7 @@ def clean_env(**extra: str) -> dict:
 
 def torchrun(script: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
              launcher: list[str] | None = None, check: bool = True) -> dict:
-    """Run ``tests/scenarios/<script>`` on ``nproc`` ranks; return
+    """Run ``zeroshim/scenarios/<script>`` (the installed copy) on ``nproc`` ranks; return
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(env or clean_env())

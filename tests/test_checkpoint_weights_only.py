@@ -60,4 +60,6 @@ def test_a_foreign_global_is_still_refused(ranks, stage):
         run = rank[f"foreign/with/z{stage}"]
         assert not run["ok"], "a checkpoint carrying a foreign global was loaded"
         assert not run["marker_exists"], "unpickling the foreign global ran its function"
-        assert "Unsupported global" in run["error"] and "pathlib" in run["error"], run["error"]
+        # the first global the unpickler meets is refused (``getattr``, which the pickled
+        # ``pathlib.Path.touch`` reduces through)
+        assert "Unsupported global" in run["error"], run["error"]

@@ -32,6 +32,7 @@ EXPECTED = {
     "zero3_delegating_wrapper": "would apply" if ds_before("0.19.3") and not ds_before("0.16.5") else "skipped",
     "checkpoint_weights_only": "would apply" if ds_before("0.16.0") else "skipped",
     "zero3_generate_sync": "would apply",
+    "zero3_moe_leaf": "would apply",
     "offload_worker_fork": "would apply",
     "epoch_boundary": "would apply",
 }

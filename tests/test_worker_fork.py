@@ -8,8 +8,8 @@ epoch's worker alive, Adam's states written) minus the same after engine
 initialisation, summed over the ranks.
 
 Without zeroshim the workers' growth exceeds the no-worker run's by most of
-the state the optimizer rewrites; with zeroshim it is at most 15 % above the
-no-worker run (it may be below: the heap the patch returns before forking is
+the state the optimizer rewrites; with zeroshim it exceeds the no-worker run's by at most a fifth of that
+state (it may be below: the heap the patch returns before forking is
 heap a run without workers keeps); losses and parameters are bit-identical in
 all three.  The
 memory runs take a few minutes, so they run in one environment of the matrix
@@ -63,9 +63,15 @@ def test_workers_copy_the_offloaded_state_without_zeroshim(memory):
 
 
 def test_with_zeroshim_workers_cost_no_more_than_no_workers(memory):
-    # (it may be less: the heap the patch returns before forking is heap a run without workers keeps)
+    """The workers' extra cost with zeroshim, against the state the optimizer rewrites (the copy
+    the patch prevents): at most a fifth of it, where without zeroshim it is over half.  (It may be
+    negative: the heap the patch returns before forking is heap a run without workers keeps.)  The
+    bound is on the effect's own scale, not a ratio to the no-worker run, whose growth varies with
+    the allocator from machine to machine."""
+    state = sum(r["run"]["state_mb"] for r in memory["none"])
     none, patched = growth_mb(memory["none"]), growth_mb(memory["workers+zeroshim"])
-    assert patched <= 1.15 * none, (patched, none, growth_mb(memory["workers"]))
+    assert patched - none <= 0.2 * state, {"with zeroshim": patched, "no workers": none,
+                                           "workers": growth_mb(memory["workers"]), "state": state}
     for rank in memory["workers+zeroshim"]:
         assert rank["status"]["state"] == "applied"
         assert rank["fork_stats"]["forks"] == 2 and rank["fork_stats"]["madvise_errors"] == 0

@@ -1,9 +1,11 @@
-"""Command line: ``zeroshim doctor``, ``zeroshim explain``, ``zeroshim-run``.
+"""Command line: ``zeroshim doctor``, ``zeroshim explain``, ``zeroshim prove``,
+``zeroshim-run``.
 
-None of these import torch, deepspeed or transformers: versions come from
-distribution metadata and patch states from the version gates and flags, so the
-commands answer in well under a second even on a machine whose DeepSpeed
-cannot be imported at all.
+doctor, explain and run import neither torch, deepspeed nor transformers:
+versions come from distribution metadata and patch states from the version
+gates and flags, so they answer in well under a second even on a machine whose
+DeepSpeed cannot be imported at all.  ``prove`` (``_prove.py``) runs real
+training in subprocesses.
 """
 
 from __future__ import annotations
@@ -294,11 +296,25 @@ def main(argv=None) -> int:
     p_exp.add_argument("logfile", help="path to the log, or - for standard input")
     p_exp.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("run", help="zeroshim-run: run a command with zeroshim active in every Python process")
+    p_prove = sub.add_parser("prove", help="run each applicable patch's reproduction here, without and with zeroshim",
+                             description="For every patch that applies to the installed versions, run its "
+                                         "reproduction (torchrun, CPU/gloo) without zeroshim and with it, and print "
+                                         "a table. Exit status 1 if a patch does not prove itself.")
+    p_prove.add_argument("--patches", help="comma-separated patch names (default: every patch that applies here)")
+    p_prove.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2)")
+    p_prove.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                         help="cuda: where a reproduction has a GPU form, run that (default cpu)")
+    p_prove.add_argument("--keep", metavar="DIR", help="keep every run's results and logs in DIR")
+    p_prove.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor(args)
     if args.command == "explain":
         return explain(args)
+    if args.command == "prove":
+        from . import _prove
+
+        return _prove.main(args)
     parser.print_usage(sys.stderr)
-    print("zeroshim: a subcommand is required (doctor, explain or run)", file=sys.stderr)
+    print("zeroshim: a subcommand is required (doctor, explain, prove or run)", file=sys.stderr)
     return 2

@@ -69,7 +69,12 @@ def main():
         results["synced"] = patch.stats["synced"]
         results["status"] = sys.modules["zeroshim"].status()["zero3_generate_sync"].as_dict()
     write_results(args.out, results)
-    torch.distributed.barrier()  # the other rank may still hang: the watchdog ends this one then
+    if args.mode == "without":
+        # The other rank may be blocked in an all-gather this rank never joins.  Entering any
+        # collective here would feed it a message of another size (gloo then fails both ranks,
+        # as on DeepSpeed 0.14.1): wait for the watchdog instead, which ends this process.
+        time.sleep(args.timeout + 60)
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
