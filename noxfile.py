@@ -80,7 +80,7 @@ def tests(session, env):
         extra["ZSTEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, **extra))
+    session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *session.posargs, env=_env(session, **extra))
 
 
 @nox.session

@@ -3,9 +3,7 @@ import os
 
 import pytest
 
-#: The environment of the matrix where tests marked ``once`` run (the newest).  Outside nox
-#: (``ZSTEST_ENV`` unset) they always run.
-ONCE_ENV = "ds0.19.8"
+from harness import ONCE_ENV
 
 
 def _has_cuda() -> bool:

@@ -13,6 +13,11 @@ from pathlib import Path
 import zeroshim
 
 # The scenarios ship inside the package (zeroshim prove runs them too): the installed copy is tested.
+#: The environment of the matrix where what does not depend on the release runs (tests marked
+#: ``once``, 1-rank variants; see conftest.py).  Outside nox (``ZSTEST_ENV`` unset) everything runs.
+ONCE_ENV = "ds0.19.8"
+EVERYTHING_HERE = os.environ.get("ZSTEST_ENV") in (None, ONCE_ENV)
+
 SCENARIOS = Path(zeroshim.__file__).parent / "scenarios"
 TIMEOUT = int(os.environ.get("ZSTEST_TIMEOUT", "900"))
 

@@ -8,9 +8,10 @@ epoch's worker alive, Adam's states written) minus the same after engine
 initialisation, summed over the ranks.
 
 Without zeroshim the workers' growth exceeds the no-worker run's by most of
-the state the optimizer rewrites; with zeroshim it exceeds the no-worker run's by at most a third of that
-state (it may be below: the heap the patch returns before forking is
-heap a run without workers keeps); losses and parameters are bit-identical in
+the state the optimizer rewrites; zeroshim removes at least three quarters of
+that extra cost (with zeroshim the growth may even be below the no-worker
+run's: the heap the patch returns before forking is heap a run without workers
+keeps); losses and parameters are bit-identical in
 all three.  The
 memory runs take a few minutes, so they run in one environment of the matrix
 (``WORKER_FORK_MEMORY_ENVS``): the mechanism (fork, copy-on-write, madvise)
@@ -63,15 +64,16 @@ def test_workers_copy_the_offloaded_state_without_zeroshim(memory):
 
 
 def test_with_zeroshim_workers_cost_no_more_than_no_workers(memory):
-    """The workers' extra cost with zeroshim, against the state the optimizer rewrites (the copy
-    the patch prevents): at most a third of it, where without zeroshim it is over half.  (It may be
-    negative: the heap the patch returns before forking is heap a run without workers keeps.)  The
-    bound is on the effect's own scale, not a ratio to the no-worker run, whose growth varies with
-    the allocator from machine to machine."""
-    state = sum(r["run"]["state_mb"] for r in memory["none"])
-    none, patched = growth_mb(memory["none"]), growth_mb(memory["workers+zeroshim"])
-    assert patched - none <= state / 3, {"with zeroshim": patched, "no workers": none,
-                                           "workers": growth_mb(memory["workers"]), "state": state}
+    """zeroshim removes at least three quarters of what the workers add over the no-worker run.
+    The bound is a ratio of the two extra costs measured in the same test, not a ratio to the
+    no-worker growth: on small models that growth and the pages a worker still copies besides the
+    engine's buffers (heap in use, this step's tensors) vary by ~100 MB between machines and runs
+    (measured with zeroshim: 523 MB against 573 MB without workers here, 611 against 488 in a CI
+    rehearsal, where the workers without zeroshim added 721 MB)."""
+    none, patched, workers = (growth_mb(memory[c]) for c in ("none", "workers+zeroshim", "workers"))
+    numbers = {"with zeroshim": patched, "no workers": none, "workers": workers,
+               "state": sum(r["run"]["state_mb"] for r in memory["none"])}
+    assert patched - none <= 0.25 * (workers - none), numbers
     for rank in memory["workers+zeroshim"]:
         assert rank["status"]["state"] == "applied"
         assert rank["fork_stats"]["forks"] == 2 and rank["fork_stats"]["madvise_errors"] == 0

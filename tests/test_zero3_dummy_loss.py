@@ -5,21 +5,28 @@ import re
 import pytest
 
 import zeroshim
-from harness import message, torchrun
+from harness import EVERYTHING_HERE, ONCE_ENV, message, torchrun
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_dummy_loss")
 PLACEMENTS = ("used_inside", "used_outside", "unused_inside", "unused_outside")
 ZEROS = ("0.0", "0", "tensor")
+# How zero is spelled is zeroshim's graph walk, not the release: every spelling runs in ONCE_ENV,
+# the float spelling in the other environments (every placement runs everywhere).
+ZEROS_HERE = ZEROS if EVERYTHING_HERE else ("0.0",)
+ZERO_PARAMS = [z if z in ZEROS_HERE else
+               pytest.param(z, marks=pytest.mark.skip(reason=f"every spelling of zero runs in {ONCE_ENV}"))
+               for z in ZEROS]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
 def ranks(request, tmp_path_factory):
-    return torchrun("dummy_loss.py", request.param, tmp_path_factory.mktemp(f"dummy{request.param}"))["ranks"]
+    return torchrun("dummy_loss.py", request.param, tmp_path_factory.mktemp(f"dummy{request.param}"),
+                    "--zeros", ",".join(ZEROS_HERE))["ranks"]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("zero", ZEROS)
+@pytest.mark.parametrize("zero", ZERO_PARAMS)
 def test_fails_without_zeroshim(ranks, placement, zero):
     for rank in ranks:
         run = rank[f"without/{placement}/{zero}"]
@@ -30,7 +37,7 @@ def test_fails_without_zeroshim(ranks, placement, zero):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("zero", ZEROS)
+@pytest.mark.parametrize("zero", ZERO_PARAMS)
 def test_trains_with_zeroshim_exactly_as_without_the_dummy_line(ranks, placement, zero):
     for rank in ranks:
         run, ref = rank[f"with/{placement}/{zero}"], rank[f"reference/{placement.split('_')[0]}"]

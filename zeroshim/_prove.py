@@ -198,7 +198,7 @@ def judge_worker_fork(tmp, nproc, device):
     same = all(a["run"]["losses"] == b["run"]["losses"] for a, b in zip(runs["workers+zeroshim"], runs["none"]))
     return (f"+{workers:.0f} MB in epoch 2 with a DataLoader worker vs +{none:.0f} MB without (PSS, {nproc} ranks)",
             f"+{patched:.0f} MB with the worker; losses {'identical' if same else 'DIFFERENT'}",
-            workers - none > 0.5 * state and patched - none <= state / 3 and same)
+            workers - none > 0.5 * state and patched - none <= 0.25 * (workers - none) and same)
 
 
 def judge_epoch_boundary(tmp, nproc, device):

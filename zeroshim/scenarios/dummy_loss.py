@@ -13,7 +13,8 @@ dummy, patched and unpatched, must be identical and strip nothing).
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, param_digest, write_results
+from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest, versions,
+                    write_results)
 
 deepspeed = import_deepspeed()
 STEPS = 2
@@ -116,11 +117,22 @@ def train(stage, placement, zero_name=None) -> dict:
 
 
 def main():
-    out, results = begin()
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--zeros", default=",".join(ZEROS), help="the spellings of zero to run (comma-separated)")
+    args = parser.parse_args()
+    zeros = [z for z in args.zeros.split(",") if z]
+    unknown = set(zeros) - set(ZEROS)
+    if unknown:
+        parser.error(f"unknown --zeros {sorted(unknown)}; valid: {', '.join(ZEROS)}")
+    init_distributed()
+    out, results = args.out, {"versions": versions()}
     for used in ("used", "unused"):
         results[f"reference/{used}"] = attempt(train, 3, f"{used}_inside")
     for placement in PLACEMENTS:
-        for zero in ZEROS:
+        for zero in zeros:
             results[f"without/{placement}/{zero}"] = attempt(train, 3, placement, zero)
     for stage in (0, 2):
         results[f"z{stage}/without"] = attempt(train, stage, "unused_outside", "0.0")
@@ -133,7 +145,7 @@ def main():
 
     results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
     for placement in PLACEMENTS:
-        for zero in ZEROS:
+        for zero in zeros:
             before = patch.stats["stripped"]
             run = attempt(train, 3, placement, zero)
             run["stripped"] = patch.stats["stripped"] - before
