@@ -13,8 +13,8 @@ dummy, patched and unpatched, must be identical and strip nothing).
 import torch
 import torch.nn as nn
 
-from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest, versions,
-                    write_results)
+from common import (attempt, ds_config, enable_zeroshim, finish, import_deepspeed, init_distributed, param_digest,
+                    versions, write_results)
 
 deepspeed = import_deepspeed()
 STEPS = 2
@@ -166,6 +166,7 @@ def main():
         run["nan_warned"] = patch.stats.get("nan_loss_seen", 0) - nan_before
         results[f"form/with/{form}"] = run
     write_results(out, results)
+    finish()
 
 
 if __name__ == "__main__":
