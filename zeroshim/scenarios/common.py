@@ -184,6 +184,48 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
+def hang_args():
+    """Arguments of a scenario that may hang without zeroshim: ``--out``, ``--mode without|with``
+    and ``--timeout`` (seconds the watchdog of :func:`watch_for_hang` waits)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=["without", "with"], required=True)
+    parser.add_argument("--timeout", type=float, default=60)
+    return parser.parse_args()
+
+
+def watch_for_hang(args, results: dict, key: str) -> None:
+    """After ``args.timeout`` seconds, record ``results[key] = "hang"`` unless the run stored
+    its outcome there, write the results and end the process (a rank that finished may be
+    waiting for one that hangs)."""
+    import threading
+    import time
+
+    def watchdog():
+        time.sleep(args.timeout)
+        if key not in results:
+            results[key] = "hang"
+        write_results(args.out, results)
+        os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+
+
+def end_hang_scenario(args, results: dict, peers_may_hang: bool) -> None:
+    """Write this rank's results; then, if another rank may be blocked in a collective this rank
+    never joins, wait for the watchdog instead of entering one: a collective here would feed the
+    blocked one a message of another size, and gloo then fails both ranks (seen on DeepSpeed
+    0.14.1 and 0.16.9).  Otherwise meet the other ranks at a barrier."""
+    import time
+
+    write_results(args.out, results)
+    if peers_may_hang:
+        time.sleep(args.timeout + 60)  # the watchdog ends this process first
+    dist.barrier()
+
+
 def versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for name in ("torch", "deepspeed", "transformers", "peft", "accelerate"):

@@ -8,10 +8,7 @@ records that as ``hang`` after ``--timeout`` seconds and ends the process.
 reference: the same model, unpartitioned, generating in this process first.
 """
 
-import argparse
-import os
 import sys
-import threading
 import time
 
 if "with" in sys.argv:
@@ -19,7 +16,8 @@ if "with" in sys.argv:
 
 import torch
 
-from common import ds_config, import_deepspeed, init_distributed, versions, write_results
+from common import (ds_config, end_hang_scenario, hang_args, import_deepspeed, init_distributed, versions,
+                    watch_for_hang)
 
 deepspeed = import_deepspeed()
 
@@ -35,11 +33,7 @@ def tiny_llama():
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=["without", "with"], required=True)
-    parser.add_argument("--timeout", type=float, default=60)
-    args = parser.parse_args()
+    args = hang_args()
     rank, world = init_distributed()
     results = {"versions": versions(), "mode": args.mode}
     model = tiny_llama()
@@ -51,14 +45,7 @@ def main():
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, micro_batch=1, bf16=False))
     results["partitioned"] = all(hasattr(p, "ds_id") for p in engine.module.parameters())
 
-    def watchdog():
-        time.sleep(args.timeout)
-        if "tokens" not in results:  # generate never returned on this rank
-            results["tokens"] = "hang"
-        write_results(args.out, results)
-        os._exit(0)  # a rank that finished may be waiting for one that hangs
-
-    threading.Thread(target=watchdog, daemon=True).start()
+    watch_for_hang(args, results, "tokens")  # generate never returned on this rank
     start = time.time()
     with torch.no_grad():
         results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
@@ -68,13 +55,7 @@ def main():
 
         results["synced"] = patch.stats["synced"]
         results["status"] = sys.modules["zeroshim"].status()["zero3_generate_sync"].as_dict()
-    write_results(args.out, results)
-    if args.mode == "without":
-        # The other rank may be blocked in an all-gather this rank never joins.  Entering any
-        # collective here would feed it a message of another size (gloo then fails both ranks,
-        # as on DeepSpeed 0.14.1): wait for the watchdog instead, which ends this process.
-        time.sleep(args.timeout + 60)
-    torch.distributed.barrier()
+    end_hang_scenario(args, results, peers_may_hang=args.mode == "without")
 
 
 if __name__ == "__main__":

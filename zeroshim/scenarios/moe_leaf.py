@@ -14,11 +14,7 @@ frozen so that rank 0's tokens go to expert 0 and rank 1's to expert 1.
 * ``--mode with``: the same with zeroshim.
 """
 
-import argparse
-import os
 import sys
-import threading
-import time
 
 if "with" in sys.argv:
     import zeroshim  # noqa: F401
@@ -26,7 +22,8 @@ if "with" in sys.argv:
 import torch
 import torch.nn as nn
 
-from common import ds_config, import_deepspeed, init_distributed, versions, write_results
+from common import (ds_config, end_hang_scenario, hang_args, import_deepspeed, init_distributed, versions,
+                    watch_for_hang)
 
 deepspeed = import_deepspeed()
 WIDTH, EXPERTS, STEPS = 8, 4, 3
@@ -99,38 +96,22 @@ def train(skip_empty: bool) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=["without", "with"], required=True)
-    parser.add_argument("--timeout", type=float, default=60)
-    args = parser.parse_args()
+    args = hang_args()
     init_distributed()
     results = {"versions": versions(), "mode": args.mode}
     results["reference"] = train(skip_empty=False)
 
-    def watchdog():
-        time.sleep(args.timeout)
-        if "run" not in results:
-            results["run"] = "hang"
-        write_results(args.out, results)
-        os._exit(0)
-
-    threading.Thread(target=watchdog, daemon=True).start()
+    watch_for_hang(args, results, "run")
     try:
         results["run"] = train(skip_empty=True)
-    except Exception as exc:  # DeepSpeed < 0.17 notices the ranks' differing traces at the next step
+    except Exception as exc:  # DeepSpeed's trace check (reset_step) notices the ranks' differing modules
         results["run"] = {"error": f"{type(exc).__name__}: {exc}"}
     if "zeroshim" in sys.modules:
         from zeroshim.patches import zero3_moe_leaf as patch
 
         results["marked"] = patch.stats["marked"]
         results["status"] = sys.modules["zeroshim"].status()["zero3_moe_leaf"].as_dict()
-    write_results(args.out, results)
-    if "error" in results["run"] or args.mode == "without":
-        # the other rank may be blocked in a collective this rank never joins; entering another would
-        # feed it a message of another size: the watchdog ends this process
-        time.sleep(args.timeout + 60)
-    torch.distributed.barrier()
+    end_hang_scenario(args, results, peers_may_hang="error" in results["run"] or args.mode == "without")
 
 
 if __name__ == "__main__":
