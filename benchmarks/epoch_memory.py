@@ -148,6 +148,8 @@ def worker(args):
     if args.out:
         with open(f"{args.out}.rank{rank}", "w") as fh:
             json.dump(result, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # before interpreter exit (zeroshim/scenarios/common.py: finish)
 
 
 # -- driver ---------------------------------------------------------------------------

@@ -123,6 +123,8 @@ def worker(args):
                                       "dtype": str(dtype).replace("torch.", ""),
                                       "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                                                    "transformers": transformers.__version__}}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()  # before interpreter exit (zeroshim/scenarios/common.py: finish)
 
 
 def fill(model, deepspeed=None):

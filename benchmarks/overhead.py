@@ -82,6 +82,8 @@ def worker(args):
     # CPU time of the process: what zeroshim's Python adds shows up there too, and
     # it is less disturbed than wall time by other load on a shared machine.
     print(json.dumps({"steps_per_s": args.steps / elapsed, "cpu_steps_per_s": args.steps / cpu, "losses": losses}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # before interpreter exit (zeroshim/scenarios/common.py: finish)
 
 
 def step_overhead(args):

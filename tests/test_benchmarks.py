@@ -9,21 +9,29 @@ from pathlib import Path
 
 import pytest
 
-from harness import clean_env, ds_before
+from harness import clean_env, ds_before, master_port
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 pytestmark = [pytest.mark.deepspeed, pytest.mark.once]
 
 
-def run(*cmd):
-    proc = subprocess.run([sys.executable, *cmd], env=clean_env(LOCAL_SIZE="1"), capture_output=True, text=True,
-                          timeout=600)
+def run(*cmd, **env):
+    proc = subprocess.run([sys.executable, *cmd], env=clean_env(LOCAL_SIZE="1", **env), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 
 
 def test_dummy_loss_walk_smoke():
     assert "walk / backward" in run(str(BENCH / "dummy_loss_walk.py"), "--smoke")
+
+
+def test_dummy_loss_walk_llama_smoke():
+    """The realistic-graph mode: a ZeRO-3 engine over a Llama with checkpointing; the dummy
+    term must be found and cut in every step of phase 1."""
+    with master_port() as port:
+        out = run(str(BENCH / "dummy_loss_walk.py"), "--model", "llama", "--smoke", MASTER_PORT=str(port))
+    assert "terms cut per step: 1" in out and "step on/off" in out, out
 
 
 def test_epoch_memory_smoke():

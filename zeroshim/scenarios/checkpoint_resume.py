@@ -20,7 +20,7 @@ import pathlib
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, write_results
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed
 
 deepspeed = import_deepspeed()
 MICRO = 2
@@ -113,7 +113,7 @@ def main():
         results[f"foreign/with/z{stage}"] = attempt(foreign, stage, os.path.join(out, f"ckpt_foreign_z{stage}"),
                                                     marker)
         results[f"foreign/with/z{stage}"]["marker_exists"] = os.path.exists(marker)
-    write_results(out, results)
+    end(out, results)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint  # bound before zeroshim is imported
 
-from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
-                    versions, write_results)
+from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
 deepspeed = import_deepspeed()
 
@@ -96,7 +95,7 @@ def main() -> None:
                                 and (is_patched_by(init, _engines.PATCH_NAME) if _engines.users()
                                      else type(init).__name__ == "function"))
     results.update(run_all("undone", True, stages))
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
-from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
-                    versions, write_results)
+from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
 deepspeed = import_deepspeed()
 TORCH_CHECKPOINT = tuc.checkpoint  # torch's own, before anyone replaces it
@@ -305,7 +304,7 @@ def main() -> None:
     init_distributed()
     results = {"versions": versions(), "case": args.case}
     CASES[args.case](results)
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":

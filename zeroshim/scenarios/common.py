@@ -175,13 +175,28 @@ def write_results(out_dir: str, results: dict) -> None:
 
 
 def finish() -> None:
-    """End a scenario whose ranks all finished: wait for each other, then shut the process group
-    down before the interpreter does (left to interpreter exit, gloo's threads were once torn down
-    unjoined: "terminate called without an active exception", SIGABRT after the results were written,
-    on DeepSpeed 0.14.1)."""
+    """End a scenario whose ranks all finished: wait for each other, then shut the process groups
+    down while the interpreter is still whole.
+
+    Left to interpreter exit, a collective still in flight (seen: an all-reduce that DeepSpeed
+    0.14.1 left unwaited) completes in one of gloo's worker threads during ``Py_FinalizeEx``;
+    freeing its tensors there needs the GIL, the finalizing interpreter makes that thread exit
+    (``pthread_exit`` unwinding through a ``noexcept`` destructor) and the process aborts with
+    "terminate called without an active exception" after its results were written (gdb backtrace
+    on DeepSpeed 0.14.1 and torch 2.13: ``ProcessGroupGloo::runLoop`` → ``~AsyncAllreduceWork`` →
+    ``gil_scoped_acquire`` → ``PyThread_exit_thread``; 3 of 4 launches of the delegating-wrapper
+    scenario).  The barrier waits for the work before it; ``destroy_process_group`` drains and joins
+    gloo's threads."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def end(out_dir: str, results: dict) -> None:
+    """The last step of a scenario whose ranks all got here: write the results, then
+    :func:`finish`."""
+    write_results(out_dir, results)
+    finish()
 
 
 def hang_args():
@@ -217,13 +232,13 @@ def end_hang_scenario(args, results: dict, peers_may_hang: bool) -> None:
     """Write this rank's results; then, if another rank may be blocked in a collective this rank
     never joins, wait for the watchdog instead of entering one: a collective here would feed the
     blocked one a message of another size, and gloo then fails both ranks (seen on DeepSpeed
-    0.14.1 and 0.16.9).  Otherwise meet the other ranks at a barrier."""
+    0.14.1 and 0.16.9).  Otherwise :func:`finish`."""
     import time
 
     write_results(args.out, results)
     if peers_may_hang:
         time.sleep(args.timeout + 60)  # the watchdog ends this process first
-    dist.barrier()
+    finish()
 
 
 def versions() -> dict:

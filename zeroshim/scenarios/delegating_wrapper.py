@@ -17,7 +17,7 @@ import hashlib
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, write_results
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed
 
 deepspeed = import_deepspeed()
 STEPS = 3
@@ -79,7 +79,7 @@ def main():
     results["status"] = zeroshim.status()["zero3_delegating_wrapper"].as_dict()
     results["with"] = attempt(train, True)
     results["refused"] = patch.stats["delegated_lookups_refused"]
-    write_results(out, results)
+    end(out, results)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ dummy, patched and unpatched, must be identical and strip nothing).
 import torch
 import torch.nn as nn
 
-from common import (attempt, ds_config, enable_zeroshim, finish, import_deepspeed, init_distributed, param_digest,
-                    versions, write_results)
+from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
 deepspeed = import_deepspeed()
 STEPS = 2
@@ -165,8 +164,7 @@ def main():
         run["stripped"] = patch.stats["stripped"] - before
         run["nan_warned"] = patch.stats.get("nan_loss_seen", 0) - nan_before
         results[f"form/with/{form}"] = run
-    write_results(out, results)
-    finish()
+    end(out, results)
 
 
 if __name__ == "__main__":

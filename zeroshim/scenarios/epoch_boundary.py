@@ -17,7 +17,7 @@ Trainer users often configure).  Phases in one process per rank:
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, param_digest, write_results
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
 
 deepspeed = import_deepspeed()
 EPOCHS, STEPS, MICRO, SEQ, VOCAB = 3, 3, 2, 16, 64
@@ -122,7 +122,7 @@ def main():
     run = attempt(train, ds_loader=True)
     run["automatic_boundaries"] = patch.stats["boundaries"] - before
     results["off/ds_loader"] = run
-    write_results(out, results)
+    end(out, results)
 
 
 if __name__ == "__main__":

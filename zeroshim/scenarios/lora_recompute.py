@@ -34,8 +34,7 @@ import zlib
 
 import torch
 
-from common import (attempt, ds_config, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
-                    versions, write_results)
+from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
 deepspeed = import_deepspeed()
 
@@ -273,7 +272,7 @@ def main():
         after = frozen_recompute_stats()
         if after is not None:
             results[name]["patch_stats"] = {k: after[k] - before[k] for k in after}
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ step and every parameter value (ZeRO-2 keeps full parameters on each rank).
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, import_deepspeed, param_digest, write_results
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
 
 deepspeed = import_deepspeed()
 STEPS, MICRO = 3, 2
@@ -70,7 +70,7 @@ def main():
     before = patch.stats["copied_back"]
     results["z1/with/ga4"] = attempt(train, 1, 4, True, 1.0)
     results["z1_copied_back"] = patch.stats["copied_back"] - before
-    write_results(out, results)
+    end(out, results)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ import argparse
 import torch
 import torch.nn as nn
 
-from common import (attempt, describe, enable_zeroshim, import_deepspeed, init_distributed, param_digest,
-                    versions, write_results)
+from common import (attempt, describe, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
 deepspeed = import_deepspeed()
 STEPS = 3
@@ -126,7 +125,7 @@ def main():
         results["forced_status"] = zeroshim.status()["offload_clip_device"].as_dict()
         results["with/fake_cuda_norm"] = fake_cuda_unscale(device)
         zeroshim.reset_overrides()
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from common import attempt, init_distributed, train_with_trainer, trainer_ds_config, versions, write_results
+from common import attempt, end, init_distributed, train_with_trainer, trainer_ds_config, versions
 from lora_recompute import SEQ, VOCAB, build_model
 
 
@@ -69,7 +69,7 @@ def main():
     results = {"versions": versions(), "run": attempt(train, checkpointing, kwargs)}
     if args.zeroshim:
         results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import transformers
 from packaging.version import Version
 from transformers import PretrainedConfig, PreTrainedModel
 
-from common import attempt, import_deepspeed, init_distributed, train_with_trainer, versions, write_results
+from common import attempt, end, import_deepspeed, init_distributed, train_with_trainer, versions
 
 import_deepspeed()  # before transformers imports it (old DeepSpeed needs the import-compat patch)
 
@@ -110,7 +110,7 @@ def main():
         from zeroshim.patches import epoch_boundary
 
         results["epoch_boundaries"] = epoch_boundary.stats["boundaries"]  # Trainer's epoch begins after the first (patch epoch_boundary)
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ if "workers+zeroshim" in sys.argv or "paths" in sys.argv:
 import torch
 import torch.nn as nn
 
-from common import attempt, ds_config, import_deepspeed, init_distributed, param_digest, versions, write_results
+from common import attempt, ds_config, end, import_deepspeed, init_distributed, param_digest, versions
 
 deepspeed = import_deepspeed()
 EPOCHS, STEPS, MICRO = 2, 2, 2
@@ -176,7 +176,7 @@ def main() -> None:
             results["fork_stats"] = dict(patch.stats)
             results["status"] = sys.modules["zeroshim"].status()["offload_worker_fork"].as_dict()
     results["pid"] = os.getpid()
-    write_results(args.out, results)
+    end(args.out, results)
 
 
 if __name__ == "__main__":
