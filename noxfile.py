@@ -5,6 +5,8 @@
     nox -s demo             `zeroshim prove`: each patch that applies, without and with zeroshim
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
+    nox -s clients          end to end inside real training frameworks (TRL, accelerate, LLaMA-Factory), plainly and
+                            under `zeroshim-run` (not in CI)
 
 Each session is its own virtual environment with torch 2.13.0, CPU build.  On
 the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
@@ -103,3 +105,45 @@ def canary(session):
     session.install(".[test]")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, ZSTEST_ENV="canary"))
+
+
+# Framework -> (its pinned stack, packages installed with --no-deps, native libraries removed after
+# installing) for the end-to-end runs
+# (tests/clients/).  Each framework is its own session, so one framework's pins never constrain
+# another's.  DeepSpeed 0.19.2: inside zero3_frozen_recompute's range, so a framework's
+# non-reentrant LoRA + ZeRO-3 run shows the failure without zeroshim.  LLaMA-Factory 0.9.5 requires
+# torchvision and torchaudio: the torchvision built for torch 2.13 is a CUDA build that fails to
+# import (text SFT does not need it), and torchaudio must import, so LLaMA-Factory and torchaudio
+# come without their dependencies, the rest of its requirements are listed here, and torchaudio's
+# native libraries (built against CUDA torch: "libc10_cuda.so: cannot open shared object file") are
+# removed, which torchaudio's loader accepts.
+CLIENTS = {
+    "trl": (["deepspeed==0.19.2", "trl==1.16.0", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0",
+             "datasets==5.2.0"], [], []),
+    "accelerate": (["deepspeed==0.19.2", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0",
+                    "datasets==5.2.0"], [], []),
+    "llamafactory": (["deepspeed==0.19.2", "transformers==5.6.0", "peft==0.18.1", "accelerate==1.11.0",
+                      "trl==0.24.0", "datasets==4.0.0", "av", "einops", "fire", "matplotlib", "omegaconf", "pandas",
+                      "protobuf", "pydantic", "pyyaml", "safetensors", "scipy", "sentencepiece", "tiktoken",
+                      "tyro<0.9.0"],
+                     ["llamafactory==0.9.5", "torchaudio==2.11.0", "torchdata==0.11.0"], ["torchaudio/lib"]),
+}
+
+
+@nox.session
+@nox.parametrize("framework", list(CLIENTS))
+def clients(session, framework):
+    """The user's command of a real training framework on 2 CPU ranks, plainly and under
+    `zeroshim-run` with the command unchanged: trains, says which patches acted, same
+    losses as the plain run wherever that trains (tests/clients/run.py; not in CI)."""
+    pinned, no_deps, strip = CLIENTS[framework]
+    _install_torch(session)
+    session.install(*pinned, env={"DS_BUILD_OPS": "0"})
+    if no_deps:
+        session.install("--no-deps", *no_deps)
+    for folder in strip:
+        session.run("python", "-c", "import glob, os, sys, sysconfig; [os.remove(p) for p in glob.glob("
+                    "os.path.join(sysconfig.get_path('purelib'), sys.argv[1], '*.so'))]", folder)
+    session.install(".")
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs, env=_env(session))

@@ -86,6 +86,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+from zeroshim import _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr
 from zeroshim._source import Fingerprint
@@ -190,6 +191,7 @@ def _pre_backward(wrapped, instance, args, kwargs):
 def _pre_forward(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedZeRoOffload.pre_sub_module_forward_function(sub_module)``."""
     result = wrapped(*args, **kwargs)
+    announce = False
     with guard(NAME):
         state = _state(instance, create=False)
         if state is not None and state.owners and len(args) == 1 and _in_nonreentrant_recompute():
@@ -202,6 +204,12 @@ def _pre_forward(wrapped, instance, args, kwargs):
                             param.ds_active_sub_modules.add(owner_key)
                             kept[id(param)] = param
                             stats["kept"] += 1
+                            announce = True
+            if announce:
+                _log.info("zeroshim[%s]: keeping frozen ZeRO-3 parameters gathered through a non-reentrant "
+                          "checkpoint's recompute until the checkpointed module's backward is done (DeepSpeed "
+                          "0.19.3's rule; without it: CheckpointError, recomputed shape [0])", NAME,
+                          once=(NAME, "announce"))
     return result
 
 
@@ -250,6 +258,7 @@ def _backward_end(wrapped, instance, args, kwargs):
 
 
 def _forget_all() -> None:
+    _log.forget((NAME, "announce"))
     for offload in list(_states.keys()):
         _drain(offload, release=False)
     _states.clear()

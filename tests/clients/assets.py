@@ -1,0 +1,43 @@
+"""Tiny local assets for the framework runs: a Llama-shaped model with its own
+word-level tokenizer, and a text dataset.  Built from nothing, so no run ever
+downloads from a model hub."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ("the a model trains on small data with deep speed zero stage three and low rank adapters while "
+         "gradients flow back through checkpointed layers to partitioned weights every step of an epoch").split()
+
+
+def sentences(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 24))) for _ in range(count)]
+
+
+def build(root: Path) -> dict:
+    """Write ``root/model`` (config, weights, tokenizer) and ``root/train.jsonl``
+    (``{"text": ...}`` per line); return their paths."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = root / "model"
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(WORDS)))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", pad_token="<pad>")
+    tokenizer.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(32)))
+    return {"model": str(model_dir), "data": str(data)}

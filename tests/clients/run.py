@@ -1,0 +1,278 @@
+"""End-to-end runs inside real training frameworks (``nox -s clients``; not in CI).
+
+For each case the user's script runs twice on 2 CPU ranks with the same
+command: plainly, and under ``zeroshim-run`` (the command unchanged).  It
+must train under zeroshim, zeroshim must say which patches acted, and the
+losses must equal those of the plain run wherever that run trains; where the
+framework's settings hit a bug zeroshim fixes, the plain run must fail with
+that bug's error.
+
+    python tests/clients/run.py --framework trl|accelerate|llamafactory [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from packaging.version import Version
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import assets  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_") and k != "PYTHON_ZEROSHIM_ENV"}
+    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true",
+               # this environment's commands (zeroshim-run, accelerate, llamafactory-cli, the torchrun it starts)
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    return out
+
+
+def torchrun(script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(HERE / script), *args]
+
+
+def launch(cmd: list[str], extra_env: dict, with_zeroshim: bool, log: Path) -> tuple[int, str, float]:
+    """Run the user's command unchanged, or with ``zeroshim-run`` in front of it."""
+    if with_zeroshim:  # and its INFO lines on stderr: which patches applied and acted
+        cmd = ["zeroshim-run", *cmd]
+        extra_env = {**extra_env, "ZEROSHIM_LOG_LEVEL": "INFO"}
+    start = time.time()
+    proc = subprocess.run(cmd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=1800, cwd=log.parent)
+    log.write_text(proc.stdout)
+    for path in Path("/dev/shm").glob("deepspeed_*"):  # DeepSpeed's CPU comm op leaves these (one job at a time)
+        path.unlink(missing_ok=True)
+    return proc.returncode, proc.stdout, time.time() - start
+
+
+def acted_from_log(log: str) -> dict:
+    """Patches that said they acted (rank 0's INFO lines other than applied/skipped)."""
+    acted = {}
+    for line in log.splitlines():
+        m = re.search(r"zeroshim\[(\w+)\]: (.*)", line)
+        if m and not re.match(r"(applied|skipped|pending)\b", m.group(2)):
+            acted.setdefault(m.group(1), m.group(2)[:100])
+    return acted
+
+
+# -- TRL --------------------------------------------------------------------------------
+def trl_cases(paths: dict, work: Path):
+    """TRL SFTTrainer + LoRA + gradient checkpointing.  Under PEFT + ZeRO-3, TRL forces
+    ``use_reentrant=True`` itself (``trl/trainer/sft_trainer.py``, "PEFT + DeepSpeed ZeRO-3 requires
+    reentrant checkpointing", trl#2514), so a user's ``False`` never reaches torch and the plain run
+    trains; zeroshim turns the reentrant calls back into non-reentrant ones (``nonreentrant_checkpoint``,
+    with ``zero3_frozen_recompute`` on DeepSpeed < 0.19.3) and must train to the same losses.  ZeRO-2
+    with reentrant checkpointing: converted too, same losses."""
+    for stage, reentrant in ((3, "false"), (2, "true")):
+        def cmd(out, stage=stage, reentrant=reentrant):
+            return torchrun("trl_sft.py", "--model", paths["model"], "--data", paths["data"], "--stage", str(stage),
+                            "--reentrant", reentrant, "--out", str(out / "result.json"))
+
+        def read(out, log):
+            path = out / "result.json"
+            if not path.exists():
+                return None
+            return json.loads(path.read_text())  # "acted": the patches' own counters, from rank 0
+
+        name = f"SFTTrainer, LoRA, ZeRO-{stage}, use_reentrant={reentrant.title()}"
+        if stage == 3:
+            name += " (TRL forces True)"
+        yield {"name": name, "cmd": cmd, "env": {}, "read": read, "plain_fails_with": None, "same_losses_as": None}
+
+
+# -- accelerate launch + HF Trainer ------------------------------------------------------
+def accelerate_cases(paths: dict, work: Path):
+    """A plain HF Trainer script with LoRA and gradient checkpointing, started with ``accelerate
+    launch`` and a DeepSpeed plugin config (ZeRO-3).  With transformers' default (non-reentrant from
+    transformers 5) the frozen-weight recompute fails on DeepSpeed < 0.19.3 without zeroshim; the
+    same script with ``use_reentrant=True`` trains plainly and gives the reference losses."""
+    affected = Version(version("deepspeed")) < Version("0.19.3")
+    ds_config = work / "accelerate_ds_z3.json"
+    ds_config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    reference = "accelerate launch, HF Trainer, LoRA, ZeRO-3, use_reentrant=True"
+    for reentrant in ("true", "default"):
+        def cmd(out, reentrant=reentrant):
+            return ["accelerate", "launch",
+                    "--use_deepspeed", "--deepspeed_config_file", str(ds_config), "--num_processes", "2",
+                    "--main_process_port", str(free_port()), str(HERE / "hf_trainer.py"),
+                    "--model", paths["model"], "--data", paths["data"], "--reentrant", reentrant,
+                    "--out", str(out / "result.json")]
+
+        def read(out, log):
+            path = out / "result.json"
+            return json.loads(path.read_text()) if path.exists() else None
+
+        name = reference if reentrant == "true" else \
+            "accelerate launch, HF Trainer, LoRA, ZeRO-3, checkpointing as transformers defaults"
+        yield {"name": name, "cmd": cmd, "env": {}, "read": read,
+               "plain_fails_with": "CheckpointError" if reentrant == "default" and affected else None,
+               "same_losses_as": reference}
+
+
+# -- LLaMA-Factory ----------------------------------------------------------------------
+def lf_cases(paths: dict, work: Path):
+    """``llamafactory-cli train cfg.yaml`` (FORCE_TORCHRUN, 2 ranks): LoRA SFT, ZeRO-3, gradient
+    checkpointing with LLaMA-Factory's default ``use_reentrant_gc: true``, and with ``false``."""
+    affected = Version(version("deepspeed")) < Version("0.19.3")
+    data_dir = work / "lf_data"
+    data_dir.mkdir(exist_ok=True)
+    texts = assets.sentences(64, seed=1)
+    (data_dir / "train.json").write_text(json.dumps(
+        [{"instruction": texts[2 * i], "input": "", "output": texts[2 * i + 1]} for i in range(32)]))
+    (data_dir / "dataset_info.json").write_text(json.dumps({"zs_train": {"file_name": "train.json"}}))
+    ds_config = work / "lf_ds_z3.json"
+    ds_config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    for reentrant in ("true", "false"):
+        def cmd(out, reentrant=reentrant):
+            cfg = out / "train.yaml"
+            cfg.write_text("\n".join(f"{k}: {v}" for k, v in {
+                "model_name_or_path": paths["model"], "stage": "sft", "do_train": "true",
+                "finetuning_type": "lora", "lora_target": "q_proj,v_proj", "lora_rank": 8,
+                "deepspeed": str(ds_config), "dataset": "zs_train", "dataset_dir": str(data_dir),
+                "template": "default", "cutoff_len": 64, "overwrite_cache": "true",
+                "output_dir": str(out / "run"), "overwrite_output_dir": "true", "logging_steps": 1,
+                "save_strategy": "'no'", "plot_loss": "false", "report_to": "none",
+                "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "learning_rate": "1.0e-3",
+                "max_steps": 4, "seed": 0, "use_reentrant_gc": reentrant, "dataloader_num_workers": 0,
+            }.items()) + "\n")
+            return ["llamafactory-cli", "train", str(cfg)]
+
+        def read(out, log):
+            state = out / "run" / "trainer_state.json"
+            if not state.exists():
+                return None
+            history = json.loads(state.read_text())["log_history"]
+            return {"losses": [h["loss"] for h in history if "loss" in h], "acted": acted_from_log(log)}
+
+        yield {"name": f"llamafactory-cli train, LoRA, ZeRO-3, use_reentrant_gc: {reentrant}", "cmd": cmd,
+               "env": {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
+               "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and affected else None,
+               "same_losses_as": "llamafactory-cli train, LoRA, ZeRO-3, use_reentrant_gc: true"}
+
+
+FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
+              "llamafactory": ("llamafactory", lf_cases)}
+
+
+def run_case(case: dict, work: Path) -> dict:
+    row = {"case": case["name"]}
+    for arm in ("plain", "zeroshim"):
+        out = work / (re.sub(r"\W+", "_", case["name"]) + "." + arm)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        returncode, log, seconds = launch(case["cmd"](out), case["env"], arm == "zeroshim", out / "log.txt")
+        result = case["read"](out, log) if returncode == 0 else None
+        row[arm] = {"returncode": returncode, "seconds": round(seconds, 1), "result": result,
+                    "tail": None if result else log[-12000:]}
+    return row
+
+
+def first_error(log: str | None) -> str:
+    """The user-facing error of a failed run: the first ``...Error: ...`` line that is not the
+    launcher's own summary."""
+    lines = [line.strip() for line in (log or "").splitlines()]
+    errors = [line for line in lines if re.search(r"\w+(Error|Exception): ", line)
+              and "ChildFailedError" not in line and "elastic" not in line]
+    return (errors or lines[-1:] or [""])[0]
+
+
+def acted_text(result: dict | None) -> str:
+    """The patches that acted in a zeroshim run: counters from the script, or rank 0's INFO lines."""
+    acted = (result or {}).get("acted", {})
+    return "; ".join(f"{name}: " + (value if isinstance(value, str) else
+                                    ", ".join(f"{k} {v}" for k, v in value.items() if v))
+                     for name, value in acted.items() if value and (isinstance(value, str) or any(value.values())))
+
+
+def check(case: dict, row: dict, rows: dict) -> list[str]:
+    problems = []
+    plain, shim = row["plain"], row["zeroshim"]
+    if shim["result"] is None:
+        problems.append("did not train under zeroshim")
+    if case["plain_fails_with"]:
+        if plain["result"] is not None:
+            problems.append(f"the plain run trained; expected {case['plain_fails_with']}")
+        elif case["plain_fails_with"] not in (plain["tail"] or ""):  # anywhere in the log's tail
+            problems.append(f"the plain run failed, but not with {case['plain_fails_with']}")
+        if shim["result"] is not None and not acted_text(shim["result"]):
+            problems.append("trained under zeroshim, but no patch said it acted")
+    elif plain["result"] is None:
+        problems.append("the plain run failed where it should train")
+    reference = plain["result"] or (rows.get(case["same_losses_as"]) or {}).get("plain", {}).get("result")
+    if shim["result"] and reference and shim["result"]["losses"] != reference["losses"]:
+        problems.append(f"losses differ: {shim['result']['losses']} vs {reference['losses']}")
+    if shim["result"] is not None and not shim["result"].get("losses"):
+        problems.append("no loss was logged")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
+    parser.add_argument("--work", help="keep assets, results and logs here (default: a temporary directory)")
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix=f"zeroshim-clients-{args.framework}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    package, cases = FRAMEWORKS[args.framework]
+    paths = assets.build(work / "assets")
+    stack = {n: version(n) for n in (package, "deepspeed", "transformers", "peft", "accelerate", "torch", "zeroshim")}
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in stack.items()), flush=True)
+    # DeepSpeed JIT-builds its CPU comm op on the first launch in an environment (about 25 s here):
+    # built up front, so the first case's timing is not the build's.
+    start = time.time()
+    subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                    "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"],
+                   env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"DeepSpeed's CPU comm op built or loaded in {time.time() - start:.1f} s", flush=True)
+    rows, failed = {}, False
+    print("| case | without zeroshim | with zeroshim | patches that acted | verdict |\n|---|---|---|---|---|")
+    for case in cases(paths, work):
+        row = rows[case["name"]] = run_case(case, work)
+        problems = check(case, row, rows)
+        failed |= bool(problems)
+
+        def cell(arm):
+            r = row[arm]
+            if r["result"]:
+                asked = r["result"].get("use_reentrant")
+                asked = "" if asked is None else f", use_reentrant={asked} as passed to the model"
+                return f"trains{asked}, losses {[round(x, 4) for x in r['result']['losses']]} ({r['seconds']} s)"
+            return f"fails: {first_error(r['tail'])[:120]} ({r['seconds']} s)"
+
+        print(f"| {case['name']} | {cell('plain')} | {cell('zeroshim')} | {acted_text(row['zeroshim']['result'])} | "
+              f"{'; '.join(problems) or 'ok'} |", flush=True)
+    (work / "results.json").write_text(json.dumps({"versions": stack, "rows": rows}, indent=1))
+    print(f"results and logs: {work}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
