@@ -5,8 +5,8 @@
     nox -s demo             `zeroshim prove`: each patch that applies, without and with zeroshim
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
-    nox -s clients          end to end inside real training frameworks (TRL, accelerate, LLaMA-Factory), plainly and
-                            under `zeroshim-run` (not in CI)
+    nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
+                            LLaMA-Factory, ms-swift), plainly and under `zeroshim-run` (not in CI)
 
 Each session is its own virtual environment with torch 2.13.0, CPU build.  On
 the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
@@ -127,6 +127,8 @@ CLIENTS = {
                       "protobuf", "pydantic", "pyyaml", "safetensors", "scipy", "sentencepiece", "tiktoken",
                       "tyro<0.9.0"],
                      ["llamafactory==0.9.5", "torchaudio==2.11.0", "torchdata==0.11.0"], ["torchaudio/lib"]),
+    "swift": (["deepspeed==0.19.2", "ms-swift==4.6.0", "transformers==5.19.0", "peft==0.20.0", "trl==0.29.1",
+               "accelerate==1.15.0", "datasets==4.8.4", "modelscope==1.40.2"], [], []),
 }
 
 

@@ -7,7 +7,7 @@ losses must equal those of the plain run wherever that run trains; where the
 framework's settings hit a bug zeroshim fixes, the plain run must fail with
 that bug's error.
 
-    python tests/clients/run.py --framework trl|accelerate|llamafactory [--work DIR]
+    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift [--work DIR]
 """
 
 from __future__ import annotations
@@ -178,8 +178,54 @@ def lf_cases(paths: dict, work: Path):
                "same_losses_as": "llamafactory-cli train, LoRA, ZeRO-3, use_reentrant_gc: true"}
 
 
+# -- ms-swift -----------------------------------------------------------------------------
+def swift_cases(paths: dict, work: Path):
+    """``swift sft`` (NPROC_PER_NODE=2): LoRA, ZeRO-3, gradient checkpointing.  Under DeepSpeed,
+    ms-swift replaces ``torch.utils.checkpoint.checkpoint`` with a wrapper that forces
+    ``use_reentrant=True`` unless the user passes ``gradient_checkpointing_kwargs``
+    (``swift/trainers/mixin.py``, ``_fix_gradient_checkpointing``): zeroshim must convert through it
+    (no recursion) to the same losses; with ``{"use_reentrant": false}`` the plain run fails on
+    DeepSpeed < 0.19.3 and zeroshim must train it to the reentrant run's losses."""
+    affected = Version(version("deepspeed")) < Version("0.19.3")
+    data = work / "swift_train.jsonl"
+    texts = assets.sentences(64, seed=1)
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": texts[2 * i]},
+                                                     {"role": "assistant", "content": texts[2 * i + 1]}]}) + "\n"
+                            for i in range(32)))
+    ds_config = work / "swift_ds_z3.json"
+    ds_config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    reference = "swift sft, LoRA, ZeRO-3, gradient checkpointing (ms-swift forces reentrant)"
+    for reentrant in (None, "false"):
+        def cmd(out, reentrant=reentrant):
+            extra = [] if reentrant is None else ["--gradient_checkpointing_kwargs",
+                                                  json.dumps({"use_reentrant": reentrant == "true"})]
+            return ["swift", "sft", "--model", paths["model"], "--model_type", "llama", "--template", "default",
+                    "--dataset", str(data), "--tuner_type", "lora", "--target_modules", "q_proj", "v_proj",
+                    "--lora_rank", "8", "--deepspeed", str(ds_config), "--gradient_checkpointing", "true",
+                    "--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                    "--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
+                    "--max_length", "64", "--seed", "0", "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
+                    "--output_dir", str(out / "run"), *extra]
+
+        def read(out, log):
+            logs = sorted((out / "run").glob("*/logging.jsonl"))
+            if not logs:
+                return None
+            history = [json.loads(line) for line in logs[-1].read_text().splitlines() if line.strip()]
+            return {"losses": [h["loss"] for h in history if "loss" in h], "acted": acted_from_log(log)}
+
+        name = reference if reentrant is None else "swift sft, LoRA, ZeRO-3, use_reentrant false"
+        yield {"name": name, "cmd": cmd,
+               "env": {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "MODELSCOPE_OFFLINE": "1"},
+               "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and affected else None,
+               "same_losses_as": reference}
+
+
 FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
-              "llamafactory": ("llamafactory", lf_cases)}
+              "llamafactory": ("llamafactory", lf_cases), "swift": ("ms-swift", swift_cases)}
 
 
 def run_case(case: dict, work: Path) -> dict:
