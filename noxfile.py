@@ -23,7 +23,7 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = not os.environ.get("CI")
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests`)
+nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests "clients(framework='accelerate')"`)
 
 TORCH = os.environ.get("NOX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("NOX_TORCH_INDEX_URL")  # e.g. https://download.pytorch.org/whl/cpu
@@ -120,8 +120,7 @@ def canary(session):
 CLIENTS = {
     "trl": (["deepspeed==0.19.2", "trl==1.16.0", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0",
              "datasets==5.2.0"], [], []),
-    "accelerate": (["deepspeed==0.19.2", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0",
-                    "datasets==5.2.0"], [], []),
+    "accelerate": (["deepspeed==0.19.2", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"], [], []),
     "llamafactory": (["deepspeed==0.19.2", "transformers==5.6.0", "peft==0.18.1", "accelerate==1.11.0",
                       "trl==0.24.0", "datasets==4.0.0", "av", "einops", "fire", "matplotlib", "omegaconf", "pandas",
                       "protobuf", "pydantic", "pyyaml", "safetensors", "scipy", "sentencepiece", "tiktoken",

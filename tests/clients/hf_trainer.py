@@ -20,7 +20,6 @@ def main():
     import tempfile
 
     import torch
-    from datasets import load_dataset
     from peft import LoraConfig, get_peft_model
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
                               TrainingArguments, set_seed)
@@ -28,8 +27,8 @@ def main():
     set_seed(0)  # before the adapter is built: its initial weights are random
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = load_dataset("json", data_files=args.data)["train"].map(
-        lambda row: tokenizer(row["text"], truncation=True, max_length=64), remove_columns=["text"])
+    with open(args.data) as fh:  # a list of examples is a dataset to Trainer (no `datasets` needed)
+        data = [dict(tokenizer(json.loads(line)["text"], truncation=True, max_length=64)) for line in fh]
     with tempfile.TemporaryDirectory() as out_dir:
         training_args = TrainingArguments(
             output_dir=out_dir, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3, logging_steps=1,
@@ -38,6 +37,7 @@ def main():
             gradient_checkpointing_kwargs=None if args.reentrant == "default" else
             {"use_reentrant": args.reentrant == "true"})
         model = AutoModelForCausalLM.from_pretrained(args.model)
+        model.enable_input_require_grads()  # peft's advice for checkpointing with frozen embeddings (reentrant)
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                  task_type="CAUSAL_LM"))
         trainer = Trainer(model=model, args=training_args, train_dataset=data,
