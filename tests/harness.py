@@ -78,6 +78,26 @@ def master_port():
         remove_shm_buffers(port)
 
 
+def _portable_isa() -> dict:
+    """Environment that makes torch's CPU kernels (ATen's vectorised code and oneDNN) use AVX2
+    where the CPU has it, so numbers recorded on one x86 machine reproduce bit for bit on
+    another.  Left to themselves they pick the widest ISA: on a CPU with AVX-512 + bf16 the
+    lora_recompute losses differ from an AVX2 machine's in the last float32 bit (4.0692400 vs
+    4.0692396), with or without zeroshim.  Empty where there is no AVX2 (not x86, or too old)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return {}
+    if "avx2" not in flags or "fma" not in flags:
+        return {}
+    return {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+#: For runs compared with numbers recorded on another machine (tests/fixtures/).
+PORTABLE_ISA = _portable_isa()
+
+
 def clean_env(**extra: str) -> dict:
     """The test process's environment without zeroshim flags (nor the variable
     ``zeroshim-run`` carries them in), plus ``extra``."""

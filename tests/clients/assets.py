@@ -41,3 +41,25 @@ def build(root: Path) -> dict:
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(32)))
     return {"model": str(model_dir), "data": str(data)}
+
+
+def report(result: dict, out: str) -> None:
+    """End a client script: rank 0 writes ``result`` (plus, where zeroshim is active, which
+    patches applied and their own counters of what they did) to ``out``; then every rank shuts
+    its process group down (left to interpreter exit, gloo can abort: see scenarios/common.py)."""
+    import sys
+
+    import torch
+
+    if "zeroshim" in sys.modules:
+        zeroshim = sys.modules["zeroshim"]
+        result["applied"] = sorted(n for n, s in zeroshim.status().items() if s.state == "applied")
+        from zeroshim.patches import nonreentrant_checkpoint, zero3_frozen_recompute
+
+        result["acted"] = {"nonreentrant_checkpoint": dict(nonreentrant_checkpoint.stats),
+                           "zero3_frozen_recompute": dict(zero3_frozen_recompute.stats)}
+    if torch.distributed.get_rank() == 0:
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -6,7 +6,8 @@ default applies (non-reentrant from transformers 5).  Rank 0 writes the logged l
 
 import argparse
 import json
-import sys
+
+import assets  # tests/clients/assets.py, beside this script
 
 
 def main():
@@ -19,7 +20,6 @@ def main():
 
     import tempfile
 
-    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
                               TrainingArguments, set_seed)
@@ -47,18 +47,7 @@ def main():
               "deepspeed": trainer.is_deepspeed_enabled,
               "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled
               else None}
-    if "zeroshim" in sys.modules:
-        zeroshim = sys.modules["zeroshim"]
-        result["applied"] = sorted(n for n, s in zeroshim.status().items() if s.state == "applied")
-        from zeroshim.patches import nonreentrant_checkpoint, zero3_frozen_recompute
-
-        result["acted"] = {"nonreentrant_checkpoint": dict(nonreentrant_checkpoint.stats),
-                           "zero3_frozen_recompute": dict(zero3_frozen_recompute.stats)}
-    if torch.distributed.get_rank() == 0:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    assets.report(result, args.out)
 
 
 if __name__ == "__main__":

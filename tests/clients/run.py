@@ -1,4 +1,4 @@
-"""End-to-end runs inside real training frameworks (``nox -s clients``; not in CI).
+"""End-to-end runs inside real training frameworks (``nox -s clients``; CI runs ``accelerate``).
 
 For each case the user's script runs twice on 2 CPU ranks with the same
 command: plainly, and under ``zeroshim-run`` (the command unchanged).  It
@@ -58,13 +58,17 @@ def launch(cmd: list[str], extra_env: dict, with_zeroshim: bool, log: Path) -> t
     if with_zeroshim:  # and its INFO lines on stderr: which patches applied and acted
         cmd = ["zeroshim-run", *cmd]
         extra_env = {**extra_env, "ZEROSHIM_LOG_LEVEL": "INFO"}
+    before = set(Path("/dev/shm").glob("deepspeed_*"))
     start = time.time()
     proc = subprocess.run(cmd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=1800, cwd=log.parent)
+    seconds = time.time() - start
     log.write_text(proc.stdout)
-    for path in Path("/dev/shm").glob("deepspeed_*"):  # DeepSpeed's CPU comm op leaves these (one job at a time)
+    # DeepSpeed's CPU comm op leaves a 66 MiB all-reduce buffer per rank and launch (deepspeedai/DeepSpeed#4115):
+    # delete this launch's, never another job's.
+    for path in set(Path("/dev/shm").glob("deepspeed_*")) - before:
         path.unlink(missing_ok=True)
-    return proc.returncode, proc.stdout, time.time() - start
+    return proc.returncode, proc.stdout, seconds
 
 
 def acted_from_log(log: str) -> dict:
@@ -183,31 +187,32 @@ def lf_cases(paths: dict, work: Path):
 
 # -- ms-swift -----------------------------------------------------------------------------
 def swift_cases(paths: dict, work: Path):
-    """``swift sft`` (NPROC_PER_NODE=2): LoRA, ZeRO-3, gradient checkpointing.  Under DeepSpeed,
-    ms-swift replaces ``torch.utils.checkpoint.checkpoint`` with a wrapper that forces
+    """``swift sft`` (NPROC_PER_NODE=2): LoRA, gradient checkpointing, ZeRO-3 and ZeRO-2.  Under
+    DeepSpeed, ms-swift replaces ``torch.utils.checkpoint.checkpoint`` with a wrapper that forces
     ``use_reentrant=True`` unless the user passes ``gradient_checkpointing_kwargs``
     (``swift/trainers/mixin.py``, ``_fix_gradient_checkpointing``): zeroshim must convert through it
-    (no recursion) to the same losses; with ``{"use_reentrant": false}`` the plain run fails on
-    DeepSpeed < 0.19.3 and zeroshim must train it to the reentrant run's losses."""
+    (no recursion) to the same losses; with ``{"use_reentrant": false}`` the ZeRO-3 plain run fails
+    on DeepSpeed < 0.19.3 and zeroshim must train it to the reentrant run's losses."""
     affected = Version(version("deepspeed")) < Version("0.19.3")
     data = work / "swift_train.jsonl"
     texts = assets.sentences(64, seed=1)
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": texts[2 * i]},
                                                      {"role": "assistant", "content": texts[2 * i + 1]}]}) + "\n"
                             for i in range(32)))
-    ds_config = work / "swift_ds_z3.json"
-    ds_config.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    reference = "swift sft, LoRA, ZeRO-3, gradient checkpointing (ms-swift forces reentrant)"
-    for reentrant in (None, "false"):
-        def cmd(out, reentrant=reentrant):
+    ds_configs = {}
+    for stage in (3, 2):
+        ds_configs[stage] = work / f"swift_ds_z{stage}.json"
+        ds_configs[stage].write_text(json.dumps({
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}))
+    for stage, reentrant in ((3, None), (3, "false"), (2, None)):
+        def cmd(out, stage=stage, reentrant=reentrant):
             extra = [] if reentrant is None else ["--gradient_checkpointing_kwargs",
                                                   json.dumps({"use_reentrant": reentrant == "true"})]
             return ["swift", "sft", "--model", paths["model"], "--model_type", "llama", "--template", "default",
                     "--dataset", str(data), "--tuner_type", "lora", "--target_modules", "q_proj", "v_proj",
-                    "--lora_rank", "8", "--deepspeed", str(ds_config), "--gradient_checkpointing", "true",
+                    "--lora_rank", "8", "--deepspeed", str(ds_configs[stage]), "--gradient_checkpointing", "true",
                     "--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
                     "--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
                     "--max_length", "64", "--seed", "0", "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
@@ -220,7 +225,8 @@ def swift_cases(paths: dict, work: Path):
             history = [json.loads(line) for line in logs[-1].read_text().splitlines() if line.strip()]
             return {"losses": [h["loss"] for h in history if "loss" in h], "acted": acted_from_log(log)}
 
-        name = reference if reentrant is None else "swift sft, LoRA, ZeRO-3, use_reentrant false"
+        reference = f"swift sft, LoRA, ZeRO-{stage}, gradient checkpointing (ms-swift forces reentrant)"
+        name = reference if reentrant is None else f"swift sft, LoRA, ZeRO-{stage}, use_reentrant {reentrant}"
         yield {"name": name, "cmd": cmd,
                "env": {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "MODELSCOPE_OFFLINE": "1"},
                "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and affected else None,
@@ -280,6 +286,8 @@ def check(case: dict, row: dict, rows: dict) -> list[str]:
         problems.append(f"losses differ: {shim['result']['losses']} vs {reference['losses']}")
     if shim["result"] is not None and not shim["result"].get("losses"):
         problems.append("no loss was logged")
+    if any((row[arm]["result"] or {}).get("deepspeed") is False for arm in ("plain", "zeroshim")):
+        problems.append("DeepSpeed was not in use")
     return problems
 
 

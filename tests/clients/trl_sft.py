@@ -4,8 +4,8 @@ the driver starts it plainly or under ``zeroshim-run``.  Rank 0 writes the
 logged losses (and, where zeroshim is active, what its patches did) to ``--out``."""
 
 import argparse
-import json
-import sys
+
+import assets  # tests/clients/assets.py, beside this script
 
 
 def main():
@@ -19,7 +19,6 @@ def main():
 
     import tempfile
 
-    import torch
     from datasets import load_dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
@@ -40,19 +39,9 @@ def main():
         trainer.train()
     result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               # what the framework passed on to the model, after its own adjustments
-              "use_reentrant": (trainer.args.gradient_checkpointing_kwargs or {}).get("use_reentrant")}
-    if "zeroshim" in sys.modules:
-        zeroshim = sys.modules["zeroshim"]
-        result["applied"] = sorted(n for n, s in zeroshim.status().items() if s.state == "applied")
-        from zeroshim.patches import nonreentrant_checkpoint, zero3_frozen_recompute
-
-        result["acted"] = {"nonreentrant_checkpoint": dict(nonreentrant_checkpoint.stats),
-                           "zero3_frozen_recompute": dict(zero3_frozen_recompute.stats)}
-    if torch.distributed.get_rank() == 0:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+              "use_reentrant": (trainer.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"),
+              "deepspeed": trainer.is_deepspeed_enabled}
+    assets.report(result, args.out)
 
 
 if __name__ == "__main__":
