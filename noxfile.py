@@ -6,7 +6,8 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift), plainly and under `zeroshim-run` (not in CI)
+                            LLaMA-Factory, ms-swift), plainly and under `zeroshim-run` (CI runs
+                            the accelerate one)
 
 Each session is its own virtual environment with torch 2.13.0, CPU build.  On
 the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
@@ -108,8 +109,7 @@ def canary(session):
 
 
 # Framework -> (its pinned stack, packages installed with --no-deps, native libraries removed after
-# installing) for the end-to-end runs
-# (tests/clients/).  Each framework is its own session, so one framework's pins never constrain
+# installing) for the end-to-end runs (tests/clients/).  Each framework is its own session, so one framework's pins never constrain
 # another's.  DeepSpeed 0.19.2: inside zero3_frozen_recompute's range, so a framework's
 # non-reentrant LoRA + ZeRO-3 run shows the failure without zeroshim.  LLaMA-Factory 0.9.5 requires
 # torchvision and torchaudio: the torchvision built for torch 2.13 is a CUDA build that fails to
@@ -136,7 +136,7 @@ CLIENTS = {
 def clients(session, framework):
     """The user's command of a real training framework on 2 CPU ranks, plainly and under
     `zeroshim-run` with the command unchanged: trains, says which patches acted, same
-    losses as the plain run wherever that trains (tests/clients/run.py; not in CI)."""
+    losses as the plain run wherever that trains (tests/clients/run.py; CI runs `accelerate`)."""
     pinned, no_deps, strip = CLIENTS[framework]
     _install_torch(session)
     session.install(*pinned, env={"DS_BUILD_OPS": "0"})

@@ -81,6 +81,27 @@ def acted_from_log(log: str) -> dict:
     return acted
 
 
+def frozen_recompute_bug() -> bool:
+    """The installed DeepSpeed fails LoRA + ZeRO-3 + non-reentrant checkpointing (fixed in 0.19.3)."""
+    return Version(version("deepspeed")) < Version("0.19.3")
+
+
+def write_ds_config(path: Path, stage: int) -> Path:
+    """The DeepSpeed config every framework run uses ("auto" values filled in by the Trainer;
+    small parameters partitioned too)."""
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}))
+    return path
+
+
+def read_result_json(out: Path, log: str) -> dict | None:
+    """What a client script of ours wrote (tests/clients/assets.py ``report``), if it got that far."""
+    path = out / "result.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 # -- TRL --------------------------------------------------------------------------------
 def trl_cases(paths: dict, work: Path):
     """TRL SFTTrainer + LoRA + gradient checkpointing.  Under PEFT + ZeRO-3, TRL forces
@@ -94,16 +115,11 @@ def trl_cases(paths: dict, work: Path):
             return torchrun("trl_sft.py", "--model", paths["model"], "--data", paths["data"], "--stage", str(stage),
                             "--reentrant", reentrant, "--out", str(out / "result.json"))
 
-        def read(out, log):
-            path = out / "result.json"
-            if not path.exists():
-                return None
-            return json.loads(path.read_text())  # "acted": the patches' own counters, from rank 0
-
         name = f"SFTTrainer, LoRA, ZeRO-{stage}, use_reentrant={reentrant.title()}"
         if stage == 3:
             name += " (TRL forces True)"
-        yield {"name": name, "cmd": cmd, "env": {}, "read": read, "plain_fails_with": None, "same_losses_as": None}
+        yield {"name": name, "cmd": cmd, "env": {}, "read": read_result_json, "plain_fails_with": None,
+               "same_losses_as": None}
 
 
 # -- accelerate launch + HF Trainer ------------------------------------------------------
@@ -115,12 +131,7 @@ def accelerate_cases(paths: dict, work: Path):
     only transformers >= 5, peft and accelerate; the CI runs it (README's test command).  (With
     transformers 4.57 and accelerate 1.15 the script fails in both forms, zeroshim or not, in the
     LR scheduler's first step: ``ValueError: zip() argument 2 is longer than argument 1``.)"""
-    affected = Version(version("deepspeed")) < Version("0.19.3")
-    ds_config = work / "accelerate_ds_z3.json"
-    ds_config.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    ds_config = write_ds_config(work / "accelerate_ds_z3.json", 3)
     reference = "accelerate launch, HF Trainer, LoRA, ZeRO-3, use_reentrant=True"
     for reentrant in ("true", "default"):
         def cmd(out, reentrant=reentrant):
@@ -130,14 +141,10 @@ def accelerate_cases(paths: dict, work: Path):
                     "--model", paths["model"], "--data", paths["data"], "--reentrant", reentrant,
                     "--out", str(out / "result.json")]
 
-        def read(out, log):
-            path = out / "result.json"
-            return json.loads(path.read_text()) if path.exists() else None
-
         name = reference if reentrant == "true" else \
             "accelerate launch, HF Trainer, LoRA, ZeRO-3, checkpointing as transformers defaults (non-reentrant)"
-        yield {"name": name, "cmd": cmd, "env": {}, "read": read,
-               "plain_fails_with": "CheckpointError" if reentrant != "true" and affected else None,
+        yield {"name": name, "cmd": cmd, "env": {}, "read": read_result_json,
+               "plain_fails_with": "CheckpointError" if reentrant != "true" and frozen_recompute_bug() else None,
                "same_losses_as": reference}
 
 
@@ -145,18 +152,13 @@ def accelerate_cases(paths: dict, work: Path):
 def lf_cases(paths: dict, work: Path):
     """``llamafactory-cli train cfg.yaml`` (FORCE_TORCHRUN, 2 ranks): LoRA SFT, ZeRO-3, gradient
     checkpointing with LLaMA-Factory's default ``use_reentrant_gc: true``, and with ``false``."""
-    affected = Version(version("deepspeed")) < Version("0.19.3")
     data_dir = work / "lf_data"
     data_dir.mkdir(exist_ok=True)
     texts = assets.sentences(64, seed=1)
     (data_dir / "train.json").write_text(json.dumps(
         [{"instruction": texts[2 * i], "input": "", "output": texts[2 * i + 1]} for i in range(32)]))
     (data_dir / "dataset_info.json").write_text(json.dumps({"zs_train": {"file_name": "train.json"}}))
-    ds_config = work / "lf_ds_z3.json"
-    ds_config.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    ds_config = write_ds_config(work / "lf_ds_z3.json", 3)
     for reentrant in ("true", "false"):
         def cmd(out, reentrant=reentrant):
             cfg = out / "train.yaml"
@@ -181,8 +183,8 @@ def lf_cases(paths: dict, work: Path):
 
         yield {"name": f"llamafactory-cli train, LoRA, ZeRO-3, use_reentrant_gc: {reentrant}", "cmd": cmd,
                "env": {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
-               "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and affected else None,
-               "same_losses_as": "llamafactory-cli train, LoRA, ZeRO-3, use_reentrant_gc: true"}
+               "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and frozen_recompute_bug()
+               else None, "same_losses_as": "llamafactory-cli train, LoRA, ZeRO-3, use_reentrant_gc: true"}
 
 
 # -- ms-swift -----------------------------------------------------------------------------
@@ -193,23 +195,15 @@ def swift_cases(paths: dict, work: Path):
     (``swift/trainers/mixin.py``, ``_fix_gradient_checkpointing``): zeroshim must convert through it
     (no recursion) to the same losses; with ``{"use_reentrant": false}`` the ZeRO-3 plain run fails
     on DeepSpeed < 0.19.3 and zeroshim must train it to the reentrant run's losses."""
-    affected = Version(version("deepspeed")) < Version("0.19.3")
     data = work / "swift_train.jsonl"
     texts = assets.sentences(64, seed=1)
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": texts[2 * i]},
                                                      {"role": "assistant", "content": texts[2 * i + 1]}]}) + "\n"
                             for i in range(32)))
-    ds_configs = {}
-    for stage in (3, 2):
-        ds_configs[stage] = work / f"swift_ds_z{stage}.json"
-        ds_configs[stage].write_text(json.dumps({
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}))
+    ds_configs = {stage: write_ds_config(work / f"swift_ds_z{stage}.json", stage) for stage in (3, 2)}
     for stage, reentrant in ((3, None), (3, "false"), (2, None)):
         def cmd(out, stage=stage, reentrant=reentrant):
-            extra = [] if reentrant is None else ["--gradient_checkpointing_kwargs",
-                                                  json.dumps({"use_reentrant": reentrant == "true"})]
+            extra = [] if reentrant is None else ["--gradient_checkpointing_kwargs", '{"use_reentrant": false}']
             return ["swift", "sft", "--model", paths["model"], "--model_type", "llama", "--template", "default",
                     "--dataset", str(data), "--tuner_type", "lora", "--target_modules", "q_proj", "v_proj",
                     "--lora_rank", "8", "--deepspeed", str(ds_configs[stage]), "--gradient_checkpointing", "true",
@@ -229,8 +223,8 @@ def swift_cases(paths: dict, work: Path):
         name = reference if reentrant is None else f"swift sft, LoRA, ZeRO-{stage}, use_reentrant {reentrant}"
         yield {"name": name, "cmd": cmd,
                "env": {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "MODELSCOPE_OFFLINE": "1"},
-               "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and affected else None,
-               "same_losses_as": reference}
+               "read": read, "plain_fails_with": "CheckpointError" if reentrant == "false" and frozen_recompute_bug()
+               else None, "same_losses_as": reference}
 
 
 FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
