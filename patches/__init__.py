@@ -14,6 +14,7 @@ PATCH_MODULES = (
     "zero3_dummy_loss",
     "zero2_offload_accumulation",
     "zero3_delegating_wrapper",
+    "zero3_lora_target_parameters",
     "checkpoint_weights_only",
     "zero3_generate_sync",
     "zero3_moe_leaf",

@@ -30,6 +30,15 @@ def ds_before(version: str) -> bool:
     return installed is not None and _versions.base_version(installed) < _versions.base_version(version)
 
 
+def peft_between(low: str, high: str) -> bool:
+    """True if the installed peft is in [low, high) (pre-releases count as the release)."""
+    from zeroshim import _versions
+
+    installed = _versions.installed("peft")
+    return installed is not None and \
+        _versions.base_version(low) <= _versions.base_version(installed) < _versions.base_version(high)
+
+
 def matches(signature, text: str) -> bool:
     """Does ``text`` show a patch's error signature: a regex, or a tuple of
     regexes that must all be found (the message and what makes it that bug)?"""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import zeroshim
-from harness import clean_env, ds_before, master_port
+from harness import clean_env, ds_before, master_port, peft_between
 from zeroshim import _cli, _versions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -31,6 +31,7 @@ EXPECTED = {
     "zero2_offload_accumulation": "would apply" if ds_before("0.19.0") and not ds_before("0.15.2") else "skipped",
     "zero3_delegating_wrapper": "would apply" if ds_before("0.19.3") and not ds_before("0.16.5") else "skipped",
     "checkpoint_weights_only": "would apply" if ds_before("0.16.0") else "skipped",
+    "zero3_lora_target_parameters": "would apply" if peft_between("0.17.0", "0.21.0") else "skipped",
     "zero3_generate_sync": "would apply",
     "zero3_moe_leaf": "would apply",
     "offload_worker_fork": "would apply",

@@ -158,6 +158,11 @@ def judge_delegating(tmp, nproc, device):
     return _failed_vs_equal(ranks, "without", "with", "reference", keys=("losses", "trainable_sha256"))
 
 
+def judge_lora_target_parameters(tmp, nproc, device):
+    ranks = _ranks(launch("lora_target_parameters.py", nproc, tmp))
+    return _failed_vs_equal(ranks, "without", "with", "reference")
+
+
 def judge_generate(tmp, nproc, device):
     if nproc < 2:
         raise Unproven("needs 2 ranks or more (ranks that stop at different lengths)")
@@ -243,6 +248,7 @@ PROOFS = {
     "zero3_dummy_loss": judge_dummy_loss,
     "zero2_offload_accumulation": judge_accumulation,
     "zero3_delegating_wrapper": judge_delegating,
+    "zero3_lora_target_parameters": judge_lora_target_parameters,
     "checkpoint_weights_only": judge_weights_only,
     "zero3_generate_sync": judge_generate,
     "zero3_moe_leaf": judge_moe_leaf,
