@@ -8,6 +8,8 @@
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
                             LLaMA-Factory, ms-swift), plainly and under `zeroshim-run` (CI runs
                             the accelerate one)
+    nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
+                            zeroshim in every rank (not in CI: about an hour per release)
 
 Each session is its own virtual environment with torch 2.13.0, CPU build.  On
 the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
@@ -148,3 +150,26 @@ def clients(session, framework):
     session.install(".")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs, env=_env(session))
+
+
+# DeepSpeed's own unit tests, without and with zeroshim active in every rank (tests/dsunit/run.py):
+# the newest release of the matrix, and 0.19.2, inside the ranges of the most invasive patches
+# (zero3_frozen_recompute, zero3_delegating_wrapper).  The tests come from DeepSpeed's git
+# repository at the release's tag (the sdist has no tests/), cached outside this tree; about an
+# hour per release on 2 cores, so not in CI: run before each release (README).
+#   nox -s "deepspeed_suite(release='0.19.2')" -- [--repo PATH_OR_URL] [--ref REF] [--all] [-- PYTEST_ARGS]
+DEEPSPEED_SUITE = {"0.19.2": "ds0.19.2", "0.19.8": "ds0.19.8"}
+
+
+@nox.session
+@nox.parametrize("release", list(DEEPSPEED_SUITE))
+def deepspeed_suite(session, release):
+    """DeepSpeed's ZeRO, offload and ZeRO-checkpoint unit tests at the release's tag, plainly and with
+    zeroshim in every rank: fails if a test that passes without zeroshim does not pass with it."""
+    _install_torch(session)
+    session.install(*MATRIX[DEEPSPEED_SUITE[release]], env={"DS_BUILD_OPS": "0"})
+    session.install("pytest>=7.2.0,<8.4.0", "pytest-forked")  # the bounds of DeepSpeed's requirements-dev.txt
+    session.install(".")
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("python", "tests/dsunit/run.py", "--release", release,
+                "--out", os.path.join(session.virtualenv.location, "results"), *session.posargs, env=_env(session))

@@ -1,0 +1,356 @@
+"""DeepSpeed's own unit tests, without and with zeroshim (``nox -s deepspeed_suite``).
+
+    python tests/dsunit/run.py --release 0.19.2 [--repo PATH_OR_URL] [--ref REF] [--out DIR]
+                               [--all] [--reruns N] [--reuse] [-- PYTEST_ARGS...]
+
+1. DeepSpeed's ``tests/`` at the release's tag (``v<release>``): the sdist does
+   not carry them, so they are taken from a git repository of DeepSpeed (a local
+   clone or mirror, or a URL; ``$ZEROSHIM_DS_REPO``, default GitHub) into a cache
+   outside this repository (``$ZEROSHIM_CACHE``, default ``~/.cache/zeroshim``).
+   ``--ref`` runs another ref's tests; the report then says they are not the
+   release's own.
+2. The files below (``SUBSET``) run with DeepSpeed's own settings (its
+   ``pytest.ini`` markers, ``--forked``, its ``DistributedTest`` ranks on the CPU
+   accelerator with gloo), first plainly, then under ``zeroshim-run`` so every
+   rank DeepSpeed's harness starts imports zeroshim first (the same start-up
+   activation a user's launcher gets).  A probe test (probe_zeroshim.py) runs
+   first in both and checks that claim in the ranks themselves.
+3. The zeroshim run re-runs every test that did not skip in the plain run (the
+   skips are DeepSpeed's own environment checks: fp16 not supported on this CPU,
+   more ranks than ``LOCAL_SIZE``, "CPU accelerator does not support this
+   test"); ``--all`` re-runs the skipped ones too.
+4. Every test whose outcome differs runs again, ``--reruns`` times (default 3)
+   in each mode, interleaved: DeepSpeed has tests that flip on their own (a
+   test that also fails without zeroshim in a rerun is reported as flaky, with
+   its counts, not as zeroshim's).
+5. Per test: outcome and time in both runs, and the zeroshim INFO lines logged
+   while it ran (which patches acted).  Exit 1 if a test that passed without
+   zeroshim in every run did not pass with it in some run (listed), 2 if the
+   run itself could not be done.  ``--reuse`` redoes 4-5 from an earlier run's
+   results.json.
+
+Results: ``DIR/report.md`` and ``DIR/results.json``, logs ``DIR/{plain,zeroshim}.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# DeepSpeed's CPU CI (.github/workflows/cpu-torch-latest.yml) runs all of tests/unit with `--forked -n 4`
+# (hours on 2 cores); this is the part of it where zeroshim's patches act: ZeRO-1/2/3 engines and the
+# stage-3 parameter coordinator (zero3_frozen_recompute, zero3_dummy_loss, zero3_delegating_wrapper,
+# zero3_moe_leaf, nonreentrant_checkpoint), CPU offload and gradient accumulation (offload_worker_fork,
+# zero2_offload_accumulation, epoch_boundary), and ZeRO checkpoint save/load (checkpoint_weights_only).
+# Left out: the large parameter grids of tests/unit/v1/zero/test_zero_tensor_fragment.py (218 tests),
+# checkpoint/test_universal_checkpoint.py (144) and v1/zero/test_offload_states.py (128, accelerator
+# offload states), and runtime/activation_checkpointing (73 tests, every one skips on the CPU
+# accelerator: "CPU accelerator does not support this test yet").
+SUBSET = [
+    "unit/v1/zero/test_zero.py",
+    "unit/v1/zero/test_zero_user_backward.py",
+    "unit/v1/zero/test_zero2_offload_multi_backward.py",
+    "unit/v1/zero/test_zero_cpu_offload_grad_accum.py",
+    "unit/v1/zero/test_zero_hook_count_regression.py",
+    "unit/runtime/zero/test_zero_leaf_module.py",
+    "unit/runtime/zero/test_zero_late_module_attach.py",
+    "unit/runtime/zero/test_zero_context.py",
+    "unit/runtime/zero/test_zero_context_return.py",
+    "unit/runtime/zero/test_zero_context_ancestry.py",
+    "unit/runtime/zero/test_zero_nesting_init.py",
+    "unit/runtime/zero/test_zero_dynamic_class.py",
+    "unit/runtime/zero/test_zero_offloadpp.py",
+    "unit/runtime/zero/test_zero_grad_clip.py",
+    "unit/runtime/zero/test_ignore_unused_parameters.py",
+    "unit/runtime/zero/test_unwrap_model.py",
+    "unit/checkpoint/test_zero_optimizer.py",
+    "unit/checkpoint/test_latest_checkpoint.py",
+    "unit/checkpoint/test_tag_validation.py",
+]
+PROBE = "unit/test_zeroshim_probe.py"
+PROBE_ID = f"{PROBE}::TestZeroshimProbe::test_zeroshim_in_every_rank"
+
+
+def die(msg: str) -> "NoReturn":  # noqa: F821
+    print(f"deepspeed_suite: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def git(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True)
+
+
+def tests_at(ref: str, repo: str, cache: Path) -> tuple[Path, str]:
+    """DeepSpeed's tests/ at ``ref``, extracted once into the cache; returns (tests dir, commit)."""
+    local = Path(repo).expanduser()
+    tmp = None
+    if local.exists():
+        git_dir = local / ".git" if (local / ".git").exists() else local
+    else:  # a URL: a shallow clone of the tag only
+        tmp = tempfile.mkdtemp(prefix="ds-clone-")
+        done = git("clone", "--quiet", "--bare", "--depth", "1", "--branch", ref, repo, tmp)
+        if done.returncode:
+            die(f"cannot clone {repo} at {ref}: {done.stderr.decode().strip()}\n"
+                "  (no network? point ZEROSHIM_DS_REPO / --repo at a local DeepSpeed clone or mirror)")
+        git_dir = Path(tmp)
+    try:
+        found = git("--git-dir", str(git_dir), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        if found.returncode:
+            die(f"{ref} is not in {repo}; fetch the tag there, or pass --ref to run another ref's tests "
+                "(the report then says they are not the release's own)")
+        commit = found.stdout.decode().strip()
+        dest = cache / "deepspeed-tests" / commit
+        if not (dest / "tests" / "unit" / "common.py").exists():
+            archive = git("--git-dir", str(git_dir), "archive", "--format=tar", commit, "tests")
+            if archive.returncode:
+                die(f"git archive {commit} tests failed: {archive.stderr.decode().strip()}")
+            partial = dest.with_name(commit + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+                tar.extractall(partial, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(partial)
+            shutil.rmtree(dest, ignore_errors=True)
+            partial.rename(dest)
+        return dest / "tests", commit
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def base_env(out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ZEROSHIM_") and k not in ("PYTHON_ZEROSHIM_ENV", "PYTHONPATH")}
+    env.update(
+        PYTHONPATH=str(HERE),  # the zs_outcomes plugin
+        PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+        # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE (else NUMA nodes: 1 here);
+        # 2 ranks per test, as DistributedTest's default world size.
+        LOCAL_SIZE="2",
+        DS_UNITTEST_TIMEOUT="300",  # a hang ends the run after 5 minutes, not DeepSpeed's 10
+        HF_HOME=str(out / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    return env
+
+
+def clean_shm(before: set) -> None:
+    """DeepSpeed's CPU comm op leaves shared-memory buffers per launch: remove the ones this run made."""
+    for name in set(os.listdir("/dev/shm")) - before if os.path.isdir("/dev/shm") else ():
+        if name.startswith("deepspeed_"):
+            try:
+                os.remove(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+
+
+def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: list[str], name: str = "") -> dict:
+    name = name or mode  # the run's files: NAME.json, NAME.log, probe.NAME.<rank>.json
+    env = base_env(out)
+    env.update(ZS_DSUNIT_OUTCOMES=str(out / f"{name}.json"), ZS_DSUNIT_PROBE=str(out / f"probe.{name}"),
+               ZS_DSUNIT_EXPECT="on" if mode == "zeroshim" else "off")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "zs_outcomes",
+           "--forked", "-rfEs", *extra, *ids]
+    zslog = out / f"{name}-records"
+    if mode == "zeroshim":  # zeroshim-run puts its bootstrap first; it chains to site/sitecustomize.py
+        zslog.mkdir()
+        env.update(ZEROSHIM_LOG_LEVEL="INFO", ZS_DSUNIT_ZSLOG=str(zslog / "log"),
+                   PYTHONPATH=os.pathsep.join([str(HERE / "site"), env["PYTHONPATH"]]))
+        cmd = ["zeroshim-run", *cmd]
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    start = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        code = subprocess.call(cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    clean_shm(before)
+    wall = time.time() - start
+    try:
+        result = json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        die(f"the {name} run wrote no outcomes (exit {code}); see {out / (name + '.log')}")
+    result.update(exit=code, wall=round(wall, 1), acted=acted_lines(zslog) if mode == "zeroshim" else {})
+    return result
+
+
+def acted_lines(folder: Path) -> dict:
+    """zeroshim's INFO/WARNING lines (rank 0's, as a user sees them; other ranks log these at DEBUG),
+    per test, from every process of the zeroshim run (site/sitecustomize.py writes them), without the
+    "applied" lines every process logs when DeepSpeed is imported."""
+    acted = {}
+    for path in sorted(folder.glob("log.*")):
+        for raw in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if rec["level"] == "DEBUG" or re.match(r"zeroshim: applied \w+ \(", rec["msg"]):
+                continue
+            text = f"{rec['level']} {rec['msg']}"[:300]
+            lines = acted.setdefault(rec["test"] or "(outside a test)", [])
+            if text not in lines:
+                lines.append(text)
+    return acted
+
+
+def differing(plain: dict, zs: dict) -> list[str]:
+    """Tests whose outcome differs between the two runs (a plainly skipped test not re-run does not count)."""
+    out = []
+    for test, p in plain["tests"].items():
+        z = zs["tests"].get(test)
+        if z is None and p["outcome"] == "skipped":
+            continue
+        if z is None or z["outcome"] != p["outcome"]:
+            out.append(test)
+    return out
+
+
+def rerun(tests_dir: Path, ids: list[str], out: Path, extra: list[str], rounds: int) -> dict:
+    """Run the differing tests again, ``rounds`` times in each mode, interleaved: a test that also
+    fails without zeroshim in some round is DeepSpeed's flaky test, not a zeroshim regression."""
+    history = {t: {"plain": [], "zeroshim": []} for t in ids}
+    for i in range(1, rounds + 1):
+        for mode in ("plain", "zeroshim"):
+            result = pytest_run(mode, tests_dir, [PROBE, *ids], out, extra, name=f"{mode}.rerun{i}")
+            if result["tests"].get(PROBE_ID, {}).get("outcome") != "passed":
+                die(f"the probe failed in {mode}.rerun{i}; see {out / f'{mode}.rerun{i}.log'}")
+            for t in ids:
+                history[t][mode].append(result["tests"].get(t, {}).get("outcome", "not run"))
+    return history
+
+
+def compare(plain: dict, zs: dict, history: dict) -> tuple[list, list]:
+    """(regressions: passed plainly in every run, not with zeroshim; other differences).  Each entry:
+    (test, plain outcomes, zeroshim outcomes, message) with the outcomes of the first run and reruns."""
+    regressions, differences = [], []
+    for test in differing(plain, zs):
+        p, z = plain["tests"][test], zs["tests"].get(test)
+        p_all = [p["outcome"]] + history.get(test, {}).get("plain", [])
+        z_all = [z["outcome"] if z else "not run"] + history.get(test, {}).get("zeroshim", [])
+        message = (z or {}).get("message") or p.get("message", "")
+        entry = (test, p_all, z_all, message)
+        if all(o == "passed" for o in p_all) and any(o != "passed" for o in z_all):
+            regressions.append(entry)
+        else:
+            differences.append(entry)
+    return regressions, differences
+
+
+def counts(result: dict) -> dict:
+    out = {}
+    for entry in result["tests"].values():
+        out[entry["outcome"]] = out.get(entry["outcome"], 0) + 1
+    return out
+
+
+def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: list) -> str:
+    def line(c):
+        return ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
+
+    lines = [f"# DeepSpeed {meta['release']} unit tests, without and with zeroshim", "",
+             f"- tests: DeepSpeed `{meta['ref']}` = {meta['commit'][:12]}"
+             + ("" if meta["at_tag"] else f" (NOT the release's tag v{meta['release']})"),
+             f"- installed: {meta['versions']}",
+             f"- files: {len(SUBSET)} (tests/dsunit/run.py SUBSET); pytest args: {' '.join(meta['pytest_args']) or '-'}",
+             f"- plain: {line(counts(plain))} in {plain['wall']:.0f} s (pytest exit {plain['exit']})",
+             f"- zeroshim ({'every test' if meta['all'] else 'the tests that did not skip plainly'}): "
+             f"{line(counts(zs))} in {zs['wall']:.0f} s (pytest exit {zs['exit']})",
+             f"- probe: plain ranks without zeroshim, zeroshim ranks with it: {meta['probe']}",
+             "", f"## Passed without zeroshim in every run, not with it: {len(regressions)}", ""]
+    def outcomes(runs):
+        return "/".join(runs)
+
+    lines += [f"- `{t}`: without {outcomes(p)}, with {outcomes(z)}: {m}" for t, p, z, m in regressions] or ["none"]
+    lines += ["", f"## Other differences (first run, then {meta['rounds']} reruns of each): {len(differences)}", ""]
+    lines += [f"- `{t}`: without {outcomes(p)}, with {outcomes(z)}: {m}" for t, p, z, m in differences] or ["none"]
+    failed_both = [(t, e["message"]) for t, e in plain["tests"].items() if e["outcome"] in ("failed", "error")]
+    lines += ["", f"## Failing without zeroshim: {len(failed_both)}", ""]
+    lines += [f"- `{t}` (with zeroshim: {zs['tests'].get(t, {}).get('outcome', 'not run')}): {m}"
+              for t, m in failed_both] or ["none"]
+    skips = {}
+    for entry in plain["tests"].values():
+        if entry["outcome"] == "skipped":
+            reason = re.sub(r"\d+ required, \d+ available", "N required, 2 available", entry["message"])
+            skips[reason] = skips.get(reason, 0) + 1
+    lines += ["", "## Skipped without zeroshim, by DeepSpeed's reason", ""]
+    lines += [f"- {n}: {r}" for r, n in sorted(skips.items(), key=lambda kv: -kv[1])] or ["none"]
+    lines += ["", "## Where zeroshim logged that it acted (INFO/WARNING lines, per test)", ""]
+    for test, msgs in sorted(zs["acted"].items()):
+        lines.append(f"- `{test}`: " + " | ".join(msgs))
+    if not zs["acted"]:
+        lines.append("none")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--release", required=True, help="the installed DeepSpeed release, e.g. 0.19.2")
+    parser.add_argument("--repo", default=os.environ.get("ZEROSHIM_DS_REPO", "https://github.com/deepspeedai/DeepSpeed"),
+                        help="DeepSpeed git repository: a local clone/mirror or a URL")
+    parser.add_argument("--ref", help="run this ref's tests instead of v<release> (reported as not the release's)")
+    parser.add_argument("--out", default="dsunit-results", help="results folder")
+    parser.add_argument("--all", action="store_true", help="re-run plainly skipped tests under zeroshim too")
+    parser.add_argument("--reruns", type=int, default=3, help="reruns, in each mode, of the tests whose outcome differs")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take both full runs from DIR/<release>/results.json of an earlier run; rerun and report")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k zero3")
+    args = parser.parse_args(argv)
+
+    installed = version("deepspeed")
+    if installed != args.release:
+        die(f"deepspeed {installed} is installed, not {args.release}")
+    ref = args.ref or f"v{args.release}"
+    cache = Path(os.environ.get("ZEROSHIM_CACHE", "~/.cache/zeroshim")).expanduser()
+    tests_dir, commit = tests_at(ref, args.repo, cache)
+    shutil.copyfile(HERE / "probe_zeroshim.py", tests_dir / PROBE)
+    out = Path(args.out).resolve() / args.release
+    if args.reuse:
+        earlier = json.loads((out / "results.json").read_text())
+        plain, zs = earlier["plain"], earlier["zeroshim"]
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        plain = pytest_run("plain", tests_dir, [PROBE, *SUBSET], out, args.pytest_args)
+    probe_ok = plain["tests"].get(PROBE_ID, {}).get("outcome")
+    if probe_ok != "passed":
+        die(f"the probe failed in the plain run ({probe_ok}); see {out / 'plain.log'}")
+    if not args.reuse:
+        rerun_ids = [t for t, e in plain["tests"].items() if args.all or e["outcome"] != "skipped"]
+        rerun_ids = [PROBE] + [t for t in rerun_ids if not t.startswith(PROBE)]
+        zs = pytest_run("zeroshim", tests_dir, rerun_ids, out, args.pytest_args)
+    probe = zs["tests"].get(PROBE_ID, {}).get("outcome")
+    if probe != "passed":
+        die(f"the probe failed in the zeroshim run ({probe}): zeroshim was not active in DeepSpeed's ranks; "
+            f"see {out / 'zeroshim.log'}")
+    ranks = []
+    for rank in (0, 1):
+        seen = json.loads((out / f"probe.zeroshim.{rank}.json").read_text())
+        ranks.append(f"rank {rank}: " + ", ".join(sorted(n for n, s in seen["states"].items() if s == "applied")))
+    changed = differing(plain, zs)
+    history = rerun(tests_dir, changed, out, args.pytest_args, args.reruns) if changed and len(changed) <= 40 else {}
+    regressions, differences = compare(plain, zs, history)
+    meta = {"release": args.release, "ref": ref, "commit": commit, "at_tag": args.ref is None, "all": args.all,
+            "rounds": args.reruns if history else 0,
+            "pytest_args": args.pytest_args, "probe": "yes; applied in " + "; ".join(ranks),
+            "versions": ", ".join(f"{p} {version(p)}" for p in ("torch", "deepspeed", "transformers", "zeroshim"))}
+    text = report(meta, plain, zs, regressions, differences)
+    (out / "report.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "plain": plain, "zeroshim": zs, "reruns": history,
+                                                  "regressions": regressions, "differences": differences},
+                                                 indent=1, sort_keys=True))
+    print(text)
+    print(f"deepspeed_suite: results in {out}")
+    return 1 if regressions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
