@@ -192,6 +192,21 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
+def train_small(engine, steps: int, batch: int = 2, width: int = 8) -> list:
+    """``steps`` optimizer steps of ``engine`` on random bf16 inputs of shape ``(batch, width)``, drawn
+    from a generator seeded per rank (the same inputs in every run of a scenario); the losses."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        loss = engine(torch.randn(batch, width, generator=gen).to(torch.bfloat16))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def end(out_dir: str, results: dict) -> None:
     """The last step of a scenario whose ranks all got here: write the results, then
     :func:`finish`."""

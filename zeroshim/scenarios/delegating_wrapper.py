@@ -17,7 +17,7 @@ import hashlib
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, train_small
 
 deepspeed = import_deepspeed()
 STEPS = 3
@@ -58,13 +58,7 @@ def train(wrapped: bool) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2),
                                       config=ds_config(3, micro_batch=2))
-    gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
-    losses = []
-    for _ in range(STEPS):
-        loss = engine(torch.randn(2, 8, generator=gen).to(torch.bfloat16))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_small(engine, STEPS)
     wrappers = [type(m).__name__ for m in model.modules() if type(m).__name__ == "ModulesToSaveWrapper"]
     return {"losses": losses, "trainable_sha256": trainable_digest(engine), "wrappers": wrappers}
 

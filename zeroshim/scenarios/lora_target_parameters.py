@@ -16,7 +16,7 @@ Each records the losses and a digest of the parameter shards (``param_digest``).
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest, train_small
 
 deepspeed = import_deepspeed()
 STEPS = 3
@@ -62,13 +62,7 @@ def train(gather_first: bool) -> dict:
     wrappers = sorted(type(m).__name__ for m in model.modules() if type(m).__name__ == "ParamWrapper")
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=config)
-    gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
-    losses = []
-    for _ in range(STEPS):
-        loss = engine(torch.randn(2, 8, generator=gen).to(torch.bfloat16))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_small(engine, STEPS)
     return {"losses": losses, "wrappers": wrappers, **param_digest(engine)}
 
 
