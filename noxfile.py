@@ -155,9 +155,10 @@ def clients(session, framework):
 # DeepSpeed's own unit tests, without and with zeroshim active in every rank (tests/dsunit/run.py):
 # the newest release of the matrix, and 0.19.2, inside the ranges of the most invasive patches
 # (zero3_frozen_recompute, zero3_delegating_wrapper).  The tests come from DeepSpeed's git
-# repository at the release's tag (the sdist has no tests/), cached outside this tree; about an
-# hour per release on 2 cores, so not in CI: run before each release (README).
-#   nox -s "deepspeed_suite(release='0.19.2')" -- [--repo PATH_OR_URL] [--ref REF] [--all] [-- PYTEST_ARGS]
+# repository at the release's tag (the sdist has no tests/), cached outside this tree; 55-80
+# minutes per release on 2 cores, so not in CI: run before each release (README).
+#   nox -s "deepspeed_suite(release='0.19.2')" -- [--repo PATH_OR_URL] [--ref REF] [--all] [--reruns N]
+#       [--only TEST_ID ...] [-- PYTEST_ARGS]
 DEEPSPEED_SUITE = {"0.19.2": "ds0.19.2", "0.19.8": "ds0.19.8"}
 
 

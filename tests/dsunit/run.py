@@ -22,7 +22,10 @@
 4. Every test whose outcome differs runs again, ``--reruns`` times (default 3)
    in each mode, interleaved: DeepSpeed has tests that flip on their own (a
    test that also fails without zeroshim in a rerun is reported as flaky, with
-   its counts, not as zeroshim's).
+   its counts, not as zeroshim's).  ``--only TEST_ID`` (repeatable) runs just
+   those tests (node ids under DeepSpeed's ``tests/``, a file or class selects
+   all its tests) and reruns every one of them, differing or not: to count how
+   often a test flips on its own.
 5. Per test: outcome and time in both runs, and the zeroshim INFO lines logged
    while it ran (which patches acted).  Exit 1 if a test that passed without
    zeroshim in every run did not pass with it in some run (listed), 2 if the
@@ -232,10 +235,12 @@ def compare(plain: dict, zs: dict, history: dict) -> tuple[list, list]:
     """(regressions: passed plainly in every run, not with zeroshim; other differences).  Each entry:
     (test, plain outcomes, zeroshim outcomes, message) with the outcomes of the first run and reruns."""
     regressions, differences = [], []
-    for test in differing(plain, zs):
+    for test in dict.fromkeys([*differing(plain, zs), *history]):
         p, z = plain["tests"][test], zs["tests"].get(test)
         p_all = [p["outcome"]] + history.get(test, {}).get("plain", [])
         z_all = [z["outcome"] if z else "not run"] + history.get(test, {}).get("zeroshim", [])
+        if len(set(p_all + z_all)) == 1:  # rerun (--only) and the same in every run
+            continue
         message = (z or {}).get("message") or p.get("message", "")
         entry = (test, p_all, z_all, message)
         if all(o == "passed" for o in p_all) and any(o != "passed" for o in z_all):
@@ -252,7 +257,7 @@ def counts(result: dict) -> dict:
     return out
 
 
-def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: list) -> str:
+def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: list, history: dict) -> str:
     def line(c):
         return ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
 
@@ -260,7 +265,8 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
              f"- tests: DeepSpeed `{meta['ref']}` = {meta['commit'][:12]}"
              + ("" if meta["at_tag"] else f" (NOT the release's tag v{meta['release']})"),
              f"- installed: {meta['versions']}",
-             f"- files: {len(SUBSET)} (tests/dsunit/run.py SUBSET); pytest args: {' '.join(meta['pytest_args']) or '-'}",
+             (f"- only: {' '.join(meta['only'])}" if meta["only"] else f"- files: {len(SUBSET)} (tests/dsunit/run.py SUBSET)")
+             + f"; pytest args: {' '.join(meta['pytest_args']) or '-'}",
              f"- plain: {line(counts(plain))} in {plain['wall']:.0f} s (pytest exit {plain['exit']})",
              f"- zeroshim ({'every test' if meta['all'] else 'the tests that did not skip plainly'}): "
              f"{line(counts(zs))} in {zs['wall']:.0f} s (pytest exit {zs['exit']})",
@@ -272,6 +278,14 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
     lines += [f"- `{t}`: without {outcomes(p)}, with {outcomes(z)}: {m}" for t, p, z, m in regressions] or ["none"]
     lines += ["", f"## Other differences (first run, then {meta['rounds']} reruns of each): {len(differences)}", ""]
     lines += [f"- `{t}`: without {outcomes(p)}, with {outcomes(z)}: {m}" for t, p, z, m in differences] or ["none"]
+    if history:
+        def tally(runs):
+            return ", ".join(f"{runs.count(o)} {o}" for o in sorted(set(runs)))
+
+        lines += ["", f"## Reruns: outcomes over the first run and {meta['rounds']} reruns, in each mode", ""]
+        lines += [f"- `{t}`: without {tally([plain['tests'][t]['outcome'], *h['plain']])}; "
+                  f"with {tally([zs['tests'].get(t, {}).get('outcome', 'not run'), *h['zeroshim']])}"
+                  for t, h in history.items()]
     failed_both = [(t, e["message"]) for t, e in plain["tests"].items() if e["outcome"] in ("failed", "error")]
     lines += ["", f"## Failing without zeroshim: {len(failed_both)}", ""]
     lines += [f"- `{t}` (with zeroshim: {zs['tests'].get(t, {}).get('outcome', 'not run')}): {m}"
@@ -302,6 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reruns", type=int, default=3, help="reruns, in each mode, of the tests whose outcome differs")
     parser.add_argument("--reuse", action="store_true",
                         help="take both full runs from DIR/<release>/results.json of an earlier run; rerun and report")
+    parser.add_argument("--only", action="append", metavar="TEST_ID",
+                        help="run only these tests (repeatable) and rerun each of them --reruns times, differing or not")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k zero3")
     args = parser.parse_args(argv)
 
@@ -319,7 +335,7 @@ def main(argv=None) -> int:
     else:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        plain = pytest_run("plain", tests_dir, [PROBE, *SUBSET], out, args.pytest_args)
+        plain = pytest_run("plain", tests_dir, [PROBE, *(args.only or SUBSET)], out, args.pytest_args)
     probe_ok = plain["tests"].get(PROBE_ID, {}).get("outcome")
     if probe_ok != "passed":
         die(f"the probe failed in the plain run ({probe_ok}); see {out / 'plain.log'}")
@@ -336,13 +352,15 @@ def main(argv=None) -> int:
         seen = json.loads((out / f"probe.zeroshim.{rank}.json").read_text())
         ranks.append(f"rank {rank}: " + ", ".join(sorted(n for n, s in seen["states"].items() if s == "applied")))
     changed = differing(plain, zs)
+    if args.only:  # every selected test that ran, to count its flips
+        changed = [t for t, e in plain["tests"].items() if e["outcome"] != "skipped" and not t.startswith(PROBE)]
     history = rerun(tests_dir, changed, out, args.pytest_args, args.reruns) if changed and len(changed) <= 40 else {}
     regressions, differences = compare(plain, zs, history)
     meta = {"release": args.release, "ref": ref, "commit": commit, "at_tag": args.ref is None, "all": args.all,
-            "rounds": args.reruns if history else 0,
+            "only": args.only or [], "rounds": args.reruns if history else 0,
             "pytest_args": args.pytest_args, "probe": "yes; applied in " + "; ".join(ranks),
             "versions": ", ".join(f"{p} {version(p)}" for p in ("torch", "deepspeed", "transformers", "zeroshim"))}
-    text = report(meta, plain, zs, regressions, differences)
+    text = report(meta, plain, zs, regressions, differences, history)
     (out / "report.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"meta": meta, "plain": plain, "zeroshim": zs, "reruns": history,
                                                   "regressions": regressions, "differences": differences},
