@@ -1,26 +1,16 @@
-"""What the benchmark drivers share: a port for one DeepSpeed run, and the
-cleanup after it.  (Imported as ``_launch``: the scripts run from this folder.)"""
+"""The benchmarks use zeroshim's one launcher (``zeroshim/_launch.py``: a port for
+one DeepSpeed run and the /dev/shm cleanup after it), loaded from its file so
+that these scripts -- which also run as the benchmark's workers -- never import
+the ``zeroshim`` package (that would apply its patches) unless a run asks for
+it.  (Imported as ``_launch``: the scripts run from this folder.)"""
 
-import contextlib
-import glob
+import importlib.util
 import os
-import socket
 
+_spec = importlib.util.find_spec("zeroshim")  # finds the package without importing it
+_path = os.path.join(list(_spec.submodule_search_locations)[0], "_launch.py")
+_module_spec = importlib.util.spec_from_file_location("zeroshim_launch", _path)
+_module = importlib.util.module_from_spec(_module_spec)
+_module_spec.loader.exec_module(_module)
 
-@contextlib.contextmanager
-def master_port():
-    """A free TCP port for one DeepSpeed run.  On leaving, the /dev/shm
-    all-reduce buffers of that run are deleted: DeepSpeed's CPU comm op leaves
-    one per rank (66 MiB on 0.19, named after the port) and never unlinks it
-    (deepspeedai/DeepSpeed#4115)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    try:
-        yield port
-    finally:
-        for path in glob.glob(f"/dev/shm/deepspeed_*_{port}_*"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+master_port = _module.master_port

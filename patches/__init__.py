@@ -1,8 +1,14 @@
-"""zeroshim's patches, one module each (shipped as ``zeroshim.patches``).
+"""zeroshim's patches, one folder each (shipped as ``zeroshim.patches``).
 
-Each module reads top to bottom: symptom, cause, affected versions, flag,
-wrapper, undo; and ends with its declaration, ``PATCH``.  The order below is
-the order in which patches are applied and reported.
+``patches/<name>/`` holds the whole patch: ``__init__.py`` (reads top to
+bottom: symptom, cause, affected versions, flag, fix, undo; ends with its
+declaration, ``PATCH``), ``scenario.py`` (its reproduction, run under torchrun),
+``proof.py`` (the one judge the tests and ``zeroshim prove`` share) and
+``logs/`` (real logs ``zeroshim explain`` must attribute to it).  Its test is
+``tests/test_<name>.py``.  The registry below is the one list kept by hand:
+the order in which patches are applied and reported.  Everything else (the
+README's table, the proofs, the patch kit's targets) is derived from it and
+from the declarations; ``tests/test_completeness.py`` checks every piece.
 """
 
 PATCH_MODULES = (

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import zeroshim
+from zeroshim import _launch
 
-# The scenarios ship inside the package (zeroshim prove runs them too): the installed copy is tested.
+# The scenarios ship inside the package, in each patch's folder (zeroshim prove runs them too): the
+# installed copy is tested.
 #: The environment of the matrix where what does not depend on the release runs (tests marked
 #: ``once``, 1-rank variants; see conftest.py).  Outside nox (``ZSTEST_ENV`` unset) everything runs.
 ONCE_ENV = "ds0.19.8"
 EVERYTHING_HERE = os.environ.get("ZSTEST_ENV") in (None, ONCE_ENV)
 
-SCENARIOS = Path(zeroshim.__file__).parent / "scenarios"
 TIMEOUT = int(os.environ.get("ZSTEST_TIMEOUT", "900"))
 
 
@@ -54,37 +49,8 @@ def message(signature) -> str:
     return signature if isinstance(signature, str) else signature[0]
 
 
-SHM_DIR = Path("/dev/shm")
-
-
-def remove_shm_buffers(port: int) -> None:
-    """Delete the shared-memory all-reduce buffers of the DeepSpeed run that used
-    ``port``.  DeepSpeed's CPU comm op creates one per rank
-    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, 66 MiB on 0.19)
-    and never unlinks it (deepspeedai/DeepSpeed#4115): a test session of
-    hundreds of launches would fill /dev/shm, and ranks then die of SIGKILL/SIGBUS."""
-    for path in SHM_DIR.glob(f"deepspeed_*_{port}_*"):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def master_port():
-    """A free port for one DeepSpeed launch; its /dev/shm buffers are deleted
-    when the block ends (see :func:`remove_shm_buffers`)."""
-    port = free_port()
-    try:
-        yield port
-    finally:
-        remove_shm_buffers(port)
+# One launcher for the tests, `zeroshim prove` and the benchmarks (zeroshim/_launch.py).
+free_port, master_port, remove_shm_buffers = _launch.free_port, _launch.master_port, _launch.remove_shm_buffers
 
 
 def _portable_isa() -> dict:
@@ -109,38 +75,24 @@ PORTABLE_ISA = _portable_isa()
 
 def clean_env(**extra: str) -> dict:
     """The test process's environment without zeroshim flags (nor the variable
-    ``zeroshim-run`` carries them in), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_") and k != "PYTHON_ZEROSHIM_ENV"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
-    env.update(extra)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(SCENARIOS)]))
-    return env
+    ``zeroshim-run`` carries them in), the scenario helpers on PYTHONPATH, plus ``extra``."""
+    return _launch.clean_env(**extra)
 
 
-def torchrun(script: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
+def load_proof(name: str):
+    """Patch ``name``'s judge (``patches/<name>/proof.py``), the one ``zeroshim prove`` uses."""
+    from importlib import import_module
+
+    return import_module(f"zeroshim.patches.{name}.proof")
+
+
+def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
              launcher: list[str] | None = None, check: bool = True) -> dict:
-    """Run ``zeroshim/scenarios/<script>`` (the installed copy) on ``nproc`` ranks; return
+    """Run scenario ``target`` -- a patch name (``patches/<name>/scenario.py``) or
+    ``<patch>/<script>.py`` -- from the installed copy, on ``nproc`` ranks; return
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(env or clean_env())
-    # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
-    # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
-    env.setdefault("LOCAL_SIZE", str(nproc))
-    with master_port() as port:
-        cmd = list(launcher or []) + [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(port),
-            str(SCENARIOS / script), "--out", str(out_dir), *args,
-        ]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=TIMEOUT)
-    (out_dir / "log.txt").write_text(proc.stdout)
-    ranks = []
-    for rank in range(nproc):
-        path = out_dir / f"rank{rank}.json"
-        ranks.append(json.loads(path.read_text()) if path.exists() else None)
-    if check and (proc.returncode != 0 or None in ranks):
-        raise AssertionError(f"{script} on {nproc} rank(s) exited {proc.returncode}; log tail:\n"
-                             + proc.stdout[-6000:])
-    return {"returncode": proc.returncode, "log": proc.stdout, "ranks": ranks}
+    result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=TIMEOUT)
+    if check and (result["returncode"] != 0 or None in result["ranks"]):
+        raise AssertionError(f"{target} on {nproc} rank(s) exited {result['returncode']}; log tail:\n"
+                             + result["log"][-6000:])
+    return result

@@ -1,5 +1,5 @@
 """Patch epoch_boundary: real DeepSpeed ZeRO-3 + CPU offload, 2 ranks, 3 epochs
-(scenarios/epoch_boundary.py), plus in-process checks of the hooks.  The host
+(patches/epoch_boundary/scenario.py), plus in-process checks of the hooks.  The host
 memory of DataLoader workers is patch offload_worker_fork's (test_worker_fork.py)."""
 
 import logging
@@ -7,13 +7,13 @@ import logging
 import pytest
 
 import zeroshim
-from harness import torchrun
+from harness import load_proof, torchrun
 from zeroshim import _engines
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return torchrun("epoch_boundary.py", 2, tmp_path_factory.mktemp("epochs"))["ranks"]
+    return torchrun("epoch_boundary", 2, tmp_path_factory.mktemp("epochs"))["ranks"]
 
 
 @pytest.mark.deepspeed
@@ -180,3 +180,10 @@ def test_engine_tracking_outlives_one_user():
         assert is_patched_by(vars(eng.DeepSpeedEngine)["__init__"], _engines.PATCH_NAME)
     finally:
         zeroshim.apply("nonreentrant_checkpoint")
+
+
+def test_proof(ranks):
+    """The judge `zeroshim prove` uses (patches/epoch_boundary/proof.py) on this launch: the bug without
+    zeroshim, the reference with it."""
+    without, with_, proven = load_proof("epoch_boundary").judge(ranks)
+    assert proven, (without, with_)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import zeroshim
-from harness import clean_env, matches, torchrun
+from harness import clean_env, load_proof, matches, torchrun
 from zeroshim import _versions
 
 PATCH = zeroshim.get_patch("numpy2_compat")
@@ -49,11 +49,21 @@ def test_import_fails_without_the_patch_and_works_with_it(tmp_path):
 @needs_numpy2
 @pytest.mark.deepspeed
 def test_real_training_on_numpy2(tmp_path):
-    ranks = torchrun("checkpoint_reuse.py", 1, tmp_path, "--stages", "2,3",
+    ranks = torchrun("nonreentrant_checkpoint", 1, tmp_path, "--stages", "2,3",
                      env=clean_env(PYTHONPATH=NUMPY2))["ranks"]
     rank = ranks[0]
     assert rank["status"]["numpy2_compat"]["state"] == "applied"
     for stage in (2, 3):
         assert rank[f"reference/z{stage}"]["ok"], rank[f"reference/z{stage}"].get("error")
-        assert rank[f"patched/z{stage}"]["ok"], rank[f"patched/z{stage}"].get("error")
-        assert rank[f"patched/z{stage}"]["param_sha256"] == rank[f"reference/z{stage}"]["param_sha256"]
+        assert rank[f"with/z{stage}"]["ok"], rank[f"with/z{stage}"].get("error")
+        assert rank[f"with/z{stage}"]["param_sha256"] == rank[f"reference/z{stage}"]["param_sha256"]
+
+
+@needs_numpy2
+@pytest.mark.deepspeed
+def test_proof(tmp_path):
+    """The scenario and judge `zeroshim prove` uses (patches/numpy2_compat/), with numpy 2 first on the path."""
+    ranks = torchrun("numpy2_compat", 1, tmp_path, "--pythonpath", NUMPY2)["ranks"]
+    without, with_, proven = load_proof("numpy2_compat").judge(ranks)
+    assert proven, (without, with_)
+    assert ranks[0]["status"]["state"] == "applied", ranks[0]["status"]

@@ -1,4 +1,4 @@
-"""Patch offload_clip_device (scenarios/offload_clip.py).
+"""Patch offload_clip_device (patches/offload_clip_device/scenario.py).
 
 CPU (CI): real ZeRO-3 + optimizer/param offload training with clipping firing
 every step, with and without zeroshim (on the CPU both must train, bit for
@@ -15,7 +15,7 @@ import re
 import pytest
 
 import zeroshim
-from harness import matches, message, torchrun
+from harness import load_proof, matches, message, torchrun
 from zeroshim import _core, _versions
 
 pytestmark = pytest.mark.deepspeed
@@ -26,7 +26,7 @@ AFFECTED = DS is not None and _core.gate_verdict(PATCH)[0]  # the version range 
 
 @pytest.fixture(scope="module")
 def cpu(tmp_path_factory):
-    return torchrun("offload_clip.py", 1, tmp_path_factory.mktemp("offload_cpu"))["ranks"][0]
+    return torchrun("offload_clip_device", 1, tmp_path_factory.mktemp("offload_cpu"))["ranks"][0]
 
 
 def test_status_follows_the_affected_range(cpu):
@@ -61,7 +61,7 @@ def test_real_method_with_norm_on_another_device(cpu):
 
 @pytest.mark.gpu
 def test_gpu_zero3_offload_clipping(tmp_path):
-    out = torchrun("offload_clip.py", 1, tmp_path, "--device", "cuda")["ranks"][0]
+    out = torchrun("offload_clip_device", 1, tmp_path, "--device", "cuda")["ranks"][0]
     ref, without, with_ = out["reference/no_offload"], out["without/offload"], out["with/offload"]
     assert ref["ok"], ref.get("error")
     if AFFECTED:
@@ -72,3 +72,10 @@ def test_gpu_zero3_offload_clipping(tmp_path):
     assert min(with_["grad_norms"]) > 1e-3
     for a, b in zip(with_["param_values"], ref["param_values"]):
         assert math.isclose(a, b, rel_tol=2 ** -7, abs_tol=1e-3), (a, b)  # bf16 tolerance
+
+
+def test_proof(cpu):
+    """The judge `zeroshim prove` uses (patches/offload_clip_device/proof.py) on this launch: the bug without
+    zeroshim, the reference with it; where not affected, nothing to prove."""
+    without, with_, proven = load_proof("offload_clip_device").judge(cpu)
+    assert proven == AFFECTED, (without, with_)

@@ -43,11 +43,23 @@ def import_targets():
     return done
 
 
-TARGET_MODULES = ["torch.utils.checkpoint", "torch.utils.data.dataloader", "numpy",
-                  "torch.distributed.elastic.agent.server.api", "transformers.trainer_callback",
-                  "deepspeed.runtime.engine", "deepspeed.runtime.dataloader", "deepspeed.runtime.zero.stage3",
-                  "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.parameter_offload"]
 if ORDER == "targets_first":
+    # every patch's targets, read from the declarations without importing zeroshim's package (the
+    # targets must come first): the patch folders are found on disk, their PATCH read by ast
+    import ast, importlib.util, os
+    root = os.path.dirname(importlib.util.find_spec("zeroshim").origin)
+    folder = os.path.join(root, "patches")  # installed; in a source checkout, the repository's patches/
+    folder = folder if os.path.isdir(folder) else os.path.join(os.path.dirname(root), "patches")
+    TARGET_MODULES = []
+    for name in sorted(os.listdir(folder)):
+        init = os.path.join(folder, name, "__init__.py")
+        if not os.path.isfile(init):
+            continue
+        for node in ast.walk(ast.parse(open(init).read())):
+            if isinstance(node, ast.keyword) and node.arg == "targets" and isinstance(node.value, ast.Dict):
+                TARGET_MODULES += [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+    assert len(TARGET_MODULES) > 10, TARGET_MODULES
+    print("KITTARGETS" + json.dumps(TARGET_MODULES))
     import importlib
     for module in TARGET_MODULES:
         try:  # DeepSpeed < 0.14.4 cannot be imported before zeroshim's import shims: it comes after
@@ -61,19 +73,13 @@ imported = import_targets()
 
 
 def changes():
-    out = {}
-    for name in zeroshim.patch_names():
-        patcher = _core._states[name].patcher
-        out[name] = list(patcher._changes) if patcher is not None else []
-    out["engine_tracking"] = list(_engines._patcher._changes)  # the tracker shared by patches
-    return out
+    # the public query (as gevent's get_original / is_object_patched), never private state
+    return {name: zeroshim.changes(name) for name in zeroshim.patch_names() + ("engine_tracking",)}
 
 
 def wrapped_once(records, name):
     bad = []
     for owner, attr, previous, value in records:
-        if owner is None:
-            continue  # an on_undo callback
         if getattr(value, "_self_zeroshim_patch", None) is not None:
             if not is_patched_by(value, name) or is_patched_by(value.__wrapped__, name):
                 bad.append(f"{owner!r}.{attr}")
@@ -83,7 +89,10 @@ def wrapped_once(records, name):
 result = {"imported": imported, "status": {k: [v.state, v.reason] for k, v in zeroshim.status().items()}}
 first = changes()
 result["wrapped_twice"] = {n: wrapped_once(r, n) for n, r in first.items()}
-result["changed_attributes"] = sum(1 for r in first.values() for owner, *_ in r if owner is not None)
+result["changed_attributes"] = sum(len(r) for r in first.values())
+# get_original gives back what was there at apply time, for every change still in place
+result["originals_known"] = all(zeroshim.get_original(o, a) is (p if p is not None else getattr(v, "__wrapped__", v))
+                                for r in first.values() for o, a, p, v in r if zeroshim.is_object_patched(o, a))
 zeroshim.apply(); zeroshim.apply()
 again = changes()
 result["same_after_apply_twice"] = {n: [(o, a, v) for o, a, _, v in again[n]] == [(o, a, v) for o, a, _, v in first[n]]
@@ -94,9 +103,7 @@ restored = {}
 for name, records in first.items():
     wrong = []
     for owner, attr, previous, value in records:
-        if owner is None:
-            continue
-        if vars(owner).get(attr, _MISSING) is not previous:
+        if vars(owner).get(attr, _MISSING) is not (_MISSING if previous is None else previous):
             wrong.append(f"{owner!r}.{attr}")
     restored[name] = wrong
 result["not_restored"] = restored
@@ -142,3 +149,8 @@ def test_unpatch_twice_restores_every_attribute_exactly(kit):
 
 def test_apply_after_unpatch_restores_the_states(kit):
     assert kit["status_after_reapply"] == {k: v[0] for k, v in kit["status"].items()}
+
+
+def test_public_introspection_knows_every_original(kit):
+    # zeroshim.get_original(owner, attr) is what owner.attr was at apply time, for every change in place
+    assert kit["originals_known"]

@@ -36,20 +36,74 @@ def args(**kw):
     return argparse.Namespace(**base)
 
 
+class _Stub:
+    """A proof module stand-in: ``prove`` returns or raises what the test gives it."""
+
+    def __init__(self, prove):
+        self.prove = prove
+
+
+def stub(monkeypatch, name, prove):
+    real = _prove.proof
+    monkeypatch.setattr(_prove, "proof", lambda n: _Stub(prove) if n == name else real(n))
+
+
 def test_a_patch_that_does_not_prove_itself_fails_the_command(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(_prove.PROOFS, "zero3_dummy_loss", lambda tmp, nproc, device: ("trained", "trained", False))
+    stub(monkeypatch, "zero3_dummy_loss", lambda launch, out, nproc, device: ("trained", "trained", False))
     assert _prove.main(args(patches="zero3_dummy_loss", keep=str(tmp_path))) == 1
     [row] = json.loads(capsys.readouterr().out)["rows"]
     assert row["proven"] is False
 
 
 def test_a_launch_that_cannot_run_is_not_proven(monkeypatch, capsys, tmp_path):
-    def broken(tmp, nproc, device):
+    def broken(launch, out, nproc, device):
         raise _prove.Unproven("the launch exited 1")
 
-    monkeypatch.setitem(_prove.PROOFS, "zero3_dummy_loss", broken)
+    stub(monkeypatch, "zero3_dummy_loss", broken)
     assert _prove.main(args(patches="zero3_dummy_loss", keep=str(tmp_path))) == 1
     assert "could not run: the launch exited 1" in capsys.readouterr().out
+
+
+# What torchrun prints when rank 1 fails: the rank's own error, then the launcher's traceback.
+TORCHRUN_LOG = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "train.py", line 8, in <module>
+[rank1]:     engine.backward(loss)
+[rank1]: RuntimeError: shape '[4, 8]' is invalid for input of size 0
+E1125 08:00:00.000000 123 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+  File "/venv/site-packages/torch/distributed/run.py", line 936, in run
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+"""
+
+
+def test_a_failed_launch_reports_the_failing_rank_s_root_cause_and_keeps_its_log():
+    result = {"returncode": 1, "log": TORCHRUN_LOG, "ranks": [{"ok": True}, None], "log_path": "/tmp/x/log.txt"}
+    with pytest.raises(_prove.Unproven) as info:
+        _prove.ranks_of(result)
+    text = str(info.value)
+    assert "RuntimeError: shape '[4, 8]' is invalid for input of size 0" in text
+    assert "ChildFailedError" not in text and "rank(s) 1 wrote no result" in text and "/tmp/x/log.txt" in text
+
+
+def test_an_abort_at_exit_after_every_rank_wrote_its_results_is_judged_by_the_results():
+    log = "training done\nterminate called without an active exception\n"
+    result = {"returncode": -6, "log": log, "ranks": [{"ok": True}, {"ok": True}]}
+    assert _prove.ranks_of(result) == [{"ok": True}, {"ok": True}]
+
+
+def test_a_failure_without_zeroshim_that_is_not_this_bug_proves_nothing():
+    ok = {"ok": True, "losses": [1.0], "param_sha256": "x"}
+    ranks = [{"without": {"ok": False, "error": "RuntimeError: out of memory @ frames"}, "with": ok, "reference": ok}]
+    said_without, _, proven = _prove.failed_vs_equal(ranks, "without", "with", "reference",
+                                                     patch="nonreentrant_checkpoint")
+    assert proven is False and said_without.startswith("failed with another error (not this bug)")
+    ranks[0]["without"]["error"] = ("AssertionError: The parameter 3 has already been reduced. Gradient computed twice "
+                                   "for this partition. @ frames")
+    assert _prove.failed_vs_equal(ranks, "without", "with", "reference", patch="nonreentrant_checkpoint")[2]
 
 
 def test_unknown_patch_is_a_usage_error(capsys):
@@ -60,4 +114,4 @@ def test_unknown_patch_is_a_usage_error(capsys):
 def test_every_patch_has_a_proof():
     import zeroshim
 
-    assert set(_prove.PROOFS) == set(zeroshim.patch_names())
+    assert all(_prove.proof(name) is not None for name in zeroshim.patch_names())

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import zeroshim
+from harness import load_proof, torchrun
 from zeroshim import _versions
 
 pytest.importorskip("torch")
@@ -111,3 +112,14 @@ def test_fallback_socket_helper():
         assert sock.getsockname()[1] > 0
     finally:
         sock.close()
+
+
+@pytest.mark.deepspeed
+def test_proof(tmp_path):
+    """The scenario and judge `zeroshim prove` uses (patches/torch_elastic_compat/): ``import deepspeed``
+    fails without zeroshim with this patch's own error where affected, and imports with it."""
+    ranks = torchrun("torch_elastic_compat", 1, tmp_path)["ranks"]
+    without, with_, proven = load_proof("torch_elastic_compat").judge(ranks)
+    assert proven == AFFECTED, (without, with_)
+    assert ranks[0]["with"]["ok"], ranks[0]["with"].get("error")
+    assert ranks[0]["status"]["state"] == ("applied" if AFFECTED else "skipped"), ranks[0]["status"]

@@ -1,10 +1,10 @@
 """Patch zero3_delegating_wrapper against real DeepSpeed and peft
-(scenarios/delegating_wrapper.py), 1 and 2 ranks: LoRA + modules_to_save under ZeRO-3."""
+(patches/zero3_delegating_wrapper/scenario.py), 1 and 2 ranks: LoRA + modules_to_save under ZeRO-3."""
 
 import pytest
 
 import zeroshim
-from harness import ds_before, matches, torchrun
+from harness import ds_before, load_proof, matches, torchrun
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_delegating_wrapper")
@@ -13,7 +13,7 @@ AFFECTED = ds_before("0.19.3") and not ds_before("0.16.5")
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
 def ranks(request, tmp_path_factory):
-    return torchrun("delegating_wrapper.py", request.param, tmp_path_factory.mktemp(f"mts{request.param}"))["ranks"]
+    return torchrun("zero3_delegating_wrapper", request.param, tmp_path_factory.mktemp(f"mts{request.param}"))["ranks"]
 
 
 def test_the_scenario_uses_peft_s_delegating_wrapper(ranks):
@@ -44,3 +44,10 @@ def test_status_and_action(ranks):
         assert rank["status"]["state"] == ("applied" if AFFECTED else "skipped"), rank["status"]
         if AFFECTED:
             assert rank["refused"] > 0  # the wrapper's delegated hook state was not taken for its own
+
+
+def test_proof(ranks):
+    """The judge `zeroshim prove` uses (patches/zero3_delegating_wrapper/proof.py) on this launch: the bug without
+    zeroshim, the reference with it; where not affected, nothing to prove."""
+    without, with_, proven = load_proof("zero3_delegating_wrapper").judge(ranks)
+    assert proven == AFFECTED, (without, with_)

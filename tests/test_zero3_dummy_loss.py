@@ -1,11 +1,11 @@
-"""Patch zero3_dummy_loss against real DeepSpeed (scenarios/dummy_loss.py), 1 and 2 ranks."""
+"""Patch zero3_dummy_loss against real DeepSpeed (patches/zero3_dummy_loss/scenario.py), 1 and 2 ranks."""
 
 import re
 
 import pytest
 
 import zeroshim
-from harness import EVERYTHING_HERE, ONCE_ENV, message, torchrun
+from harness import EVERYTHING_HERE, ONCE_ENV, load_proof, message, torchrun
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_dummy_loss")
@@ -21,7 +21,7 @@ ZERO_PARAMS = [z if z in ZEROS_HERE else
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
 def ranks(request, tmp_path_factory):
-    return torchrun("dummy_loss.py", request.param, tmp_path_factory.mktemp(f"dummy{request.param}"),
+    return torchrun("zero3_dummy_loss", request.param, tmp_path_factory.mktemp(f"dummy{request.param}"),
                     "--zeros", ",".join(ZEROS_HERE))["ranks"]
 
 
@@ -94,3 +94,10 @@ def test_further_forms_train_exactly_as_without_the_term(ranks, form):
         else:
             assert run["losses"] == ref["losses"]
             assert run["nan_warned"] == 0
+
+
+def test_proof(ranks):
+    """The judge `zeroshim prove` uses (patches/zero3_dummy_loss/proof.py) on this launch: the bug without
+    zeroshim, the reference with it."""
+    without, with_, proven = load_proof("zero3_dummy_loss").judge(ranks)
+    assert proven, (without, with_)

@@ -1,6 +1,6 @@
 """Patch zero3_frozen_recompute against real DeepSpeed: ZeRO-3 + peft LoRA +
-non-reentrant gradient checkpointing (scenarios/lora_recompute.py at 1 and 2
-ranks; scenarios/trainer_lora.py with HF Trainer, 2 ranks, 2 epochs).
+non-reentrant gradient checkpointing (patches/zero3_frozen_recompute/scenario.py at 1 and 2
+ranks; patches/zero3_frozen_recompute/scenario_trainer.py with HF Trainer, 2 ranks, 2 epochs).
 
 Where DeepSpeed has the bug (< 0.19.3) the runs without zeroshim must fail
 with the upstream error; where it is fixed the patch must report itself
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import zeroshim
-from harness import PORTABLE_ISA, clean_env, ds_before, matches, torchrun
+from harness import PORTABLE_ISA, clean_env, ds_before, load_proof, matches, torchrun
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("zero3_frozen_recompute")
@@ -33,7 +33,7 @@ MODES = ("nonreentrant", "reentrant")
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
 def ranks(request, tmp_path_factory):
-    return torchrun("lora_recompute.py", request.param, tmp_path_factory.mktemp(f"lora{request.param}"),
+    return torchrun("zero3_frozen_recompute", request.param, tmp_path_factory.mktemp(f"lora{request.param}"),
                     env=clean_env(**PORTABLE_ISA))["ranks"]
 
 
@@ -177,7 +177,7 @@ def trainer_runs(tmp_path_factory):
     for name, flags, extra in (("reference", ["--reference"], {}), ("without", ["--without"], {}),
                                ("zeroshim", ["--zeroshim"], {}),
                                ("patch_off", ["--zeroshim"], {PATCH.flag: "off"})):
-        runs[name] = torchrun("trainer_lora.py", 2, tmp_path_factory.mktemp(name), *flags,
+        runs[name] = torchrun("zero3_frozen_recompute/scenario_trainer.py", 2, tmp_path_factory.mktemp(name), *flags,
                               env=clean_env(**extra))["ranks"]
     return runs
 
@@ -211,3 +211,10 @@ def test_trainer_with_this_patch_off_keeps_reentrant_where_affected(trainer_runs
         assert rank["run"]["ok"], rank["run"].get("error")
         assert rank["run"]["losses"] == reference["run"]["losses"]
         assert rank["run"]["param_sha256"] == reference["run"]["param_sha256"]
+
+
+def test_proof(ranks):
+    """The judge `zeroshim prove` uses (patches/zero3_frozen_recompute/proof.py) on this launch: the bug without
+    zeroshim, the reference with it; where not affected, nothing to prove."""
+    without, with_, proven = load_proof("zero3_frozen_recompute").judge(ranks)
+    assert proven == AFFECTED, (without, with_)

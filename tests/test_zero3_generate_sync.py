@@ -1,10 +1,10 @@
 """Patch zero3_generate_sync against real DeepSpeed and transformers
-(scenarios/generate_sync.py): generate() on 2 ZeRO-3 ranks that stop at
+(patches/zero3_generate_sync/scenario.py): generate() on 2 ZeRO-3 ranks that stop at
 different lengths, after a raw deepspeed.initialize."""
 
 import pytest
 
-from harness import torchrun
+from harness import load_proof, torchrun
 
 pytestmark = pytest.mark.deepspeed
 TIMEOUT = "45"
@@ -12,7 +12,7 @@ TIMEOUT = "45"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {mode: torchrun("generate_sync.py", 2, tmp_path_factory.mktemp(mode), "--mode", mode,
+    return {mode: torchrun("zero3_generate_sync", 2, tmp_path_factory.mktemp(mode), "--mode", mode,
                            "--timeout", TIMEOUT)["ranks"]
             for mode in ("without", "with")}
 
@@ -31,3 +31,10 @@ def test_finishes_with_zeroshim_with_the_unpartitioned_tokens(runs):
         assert rank["tokens"] == rank["reference"]
         assert len(rank["tokens"]) == 4 + (2 if rank is runs["with"][0] else 6)
         assert rank["status"]["state"] == "applied" and rank["synced"] == 1
+
+
+def test_proof(runs):
+    """The judge `zeroshim prove` uses (patches/zero3_generate_sync/proof.py) on this launch: the bug without
+    zeroshim, the reference with it."""
+    without, with_, proven = load_proof("zero3_generate_sync").judge(runs)
+    assert proven, (without, with_)

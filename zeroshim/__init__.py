@@ -14,23 +14,26 @@ Flags (environment, read at import; see ``zeroshim/_flags.py``)::
     ZEROSHIM_LOG_LEVEL=INFO      log to stderr
 
 Python API: :func:`configure`, :func:`apply`, :func:`unpatch`, :func:`status`,
-:func:`report`, and :func:`epoch_boundary` for custom training loops.
+:func:`report`, and :func:`epoch_boundary` for custom training loops;
+introspection: :func:`stats` (what a patch did), :func:`changes` (what it
+replaced), :func:`is_object_patched` and :func:`get_original`.
 """
 
 from __future__ import annotations
 
 from ._core import (
-    APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Patch, PatchStatus, apply, configure, get_patch,
-    is_applied, patch_names, report, reset_overrides, status, sync as _sync, unpatch,
+    APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Change, Patch, PatchStatus, apply, changes, configure,
+    get_original, get_patch, is_applied, is_object_patched, patch_names, report, reset_overrides, stats, status,
+    sync as _sync, unpatch,
 )
 from ._flags import configure_logging as _configure_logging
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "APPLIED", "DISABLED", "FAILED", "PENDING", "SKIPPED", "Patch", "PatchStatus",
-    "apply", "configure", "get_patch", "is_applied", "patch_names", "report",
-    "reset_overrides", "status", "unpatch", "epoch_boundary", "__version__",
+    "APPLIED", "DISABLED", "FAILED", "PENDING", "SKIPPED", "Change", "Patch", "PatchStatus",
+    "apply", "changes", "configure", "get_original", "get_patch", "is_applied", "is_object_patched",
+    "patch_names", "report", "reset_overrides", "stats", "status", "unpatch", "epoch_boundary", "__version__",
 ]
 
 

@@ -1,8 +1,8 @@
-"""The patch registry: declarations, version gates, flags, post-import hooks,
-status and undo.
+"""The patch lifecycle: the registry, version gates, flags, post-import hooks,
+status, undo and public introspection.
 
-A patch is declared once, as a :class:`Patch` named ``PATCH`` in its own module
-under ``zeroshim.patches``.  Its ``targets`` map module names to functions that
+A patch is declared once (``zeroshim/_declare.py``), as a :class:`Patch` named
+``PATCH`` in its own folder ``patches/<name>/`` (``zeroshim.patches.<name>``).  Its ``targets`` map module names to functions that
 patch that module once it is imported; :func:`sync` registers a wrapt
 post-import hook per target, so a target imported later is patched the moment
 its import finishes, and a target already imported is patched at once.
@@ -23,102 +23,11 @@ if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
 
     ApplyFn = Callable[[object, Patcher], None]
 
+from ._declare import (  # noqa: F401  (re-exported: the states and the declaration)
+    APPLIED, BYPASSED, DISABLED, FAILED, PENDING, SKIPPED, Patch, PatchStatus,
+)
+
 log = logging.getLogger("zeroshim")
-
-# States a patch can be in.
-APPLIED = "applied"      # every target patched
-PENDING = "pending"      # enabled; waiting for (some) targets to be imported
-SKIPPED = "skipped"      # not affected by the installed versions, or its target changed
-DISABLED = "disabled"    # turned off by a flag / the Python API
-FAILED = "failed"        # an unexpected error while applying; nothing of it is left applied
-BYPASSED = "bypassed"    # applied, but another library replaced what it wraps: its wrapper is not reached
-
-
-class Patch:
-    """The declaration of one patch (immutable once registered)."""
-
-    __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc", "needs", "bypass",
-                 "check_config", "coexists", "fingerprint", "optional")
-
-    def __init__(self, name: str, summary: str, signatures: "Tuple[str, ...]", affects: "Mapping[str, str]",
-                 targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = "",
-                 needs: "Optional[Mapping[str, str]]" = None, bypass: "Optional[Callable[[], Optional[str]]]" = None,
-                 check_config: "Optional[Callable[[dict, object], list]]" = None,
-                 coexists: "Optional[Mapping[str, str]]" = None, fingerprint: "Optional[object]" = None,
-                 optional: "Iterable[str]" = ()):
-        #: stable name; the flag is ZEROSHIM_<NAME>
-        self.name = name
-        #: one line: the symptom, as the user sees it
-        self.summary = summary
-        #: regular expressions matching the error messages this patch fixes
-        self.signatures = tuple(signatures)
-        #: package -> PEP 440 specifier of the affected versions ("" = every version)
-        self.affects = dict(affects)
-        #: module name -> function(module, patcher) that patches it once imported
-        self.targets = dict(targets)
-        #: called after the recorded changes are undone (to reset the patch's own state)
-        self.on_undo = on_undo
-        #: the module docstring: symptom, cause, versions, flag, fix, undo
-        self.doc = doc
-        #: patch name -> the situation in which this patch needs it.  Where the
-        #: other patch's bug exists (its gate says affected) but it is not
-        #: active, this patch must not act in that situation: it asks
-        #: :func:`missing_dependency` at run time.
-        self.needs = dict(needs or {})
-        #: () -> None while the wrapped targets are still reached, else a sentence
-        #: naming what another library replaced them with (status: "bypassed")
-        self.bypass = bypass
-        #: (DeepSpeed config dict, ConfigContext) -> findings for ``zeroshim doctor
-        #: --config``: [{"level": "error"|"warning", "message": str}, ...]
-        self.check_config = check_config
-        #: distribution name -> what that library does to this patch's targets and
-        #: what zeroshim does then (``zeroshim doctor`` lists the installed ones)
-        self.coexists = dict(coexists or {})
-        #: a :class:`zeroshim._source.Fingerprint`: what the target's source must
-        #: contain (or lack) for the bug to exist; where the source can be read it
-        #: decides over the version numbers in ``affects`` (see :func:`gate_verdict`)
-        self.fingerprint = fingerprint
-        #: targets patched when they are imported that do not hold the patch
-        #: ``pending`` (a module a training run may never import, such as
-        #: ``deepspeed.utils.zero_to_fp32``)
-        self.optional = frozenset(optional)
-        unknown = self.optional - set(self.targets)
-        if unknown:
-            raise ValueError(f"optional targets of {name} that are not targets: {sorted(unknown)}")
-
-    @property
-    def required(self) -> "Set[str]":
-        """The targets that must all be patched for the patch to be ``applied``."""
-        return set(self.targets) - self.optional
-
-    @property
-    def flag(self) -> str:
-        return _flags.env_name(self.name)
-
-    def __repr__(self) -> str:
-        return f"<zeroshim.Patch {self.name}>"
-
-
-class PatchStatus:
-    """What :func:`status` reports for one patch."""
-
-    __slots__ = ("name", "state", "reason", "flag", "waiting_for")
-
-    def __init__(self, name: str, state: str, reason: str, flag: str, waiting_for: "Tuple[str, ...]" = ()):
-        self.name, self.state, self.reason, self.flag, self.waiting_for = name, state, reason, flag, waiting_for
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PatchStatus) and self.as_dict() == other.as_dict()
-
-    def __repr__(self) -> str:
-        return f"PatchStatus({self.as_dict()!r})"
-
-    def __str__(self) -> str:
-        extra = f" (waiting for {', '.join(self.waiting_for)})" if self.waiting_for else ""
-        return f"{self.name}: {self.state}: {self.reason}{extra}"
 
 
 class _State:
@@ -142,6 +51,7 @@ _waiting: "Set[Tuple[str, str]]" = set()
 _env_settings: "Optional[_flags.Settings]" = None
 _overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}, "raw": {}}
 _unpatched: "Set[str]" = set()
+_modules: "Dict[str, object]" = {}  # patch name -> its module (zeroshim.patches.<name>)
 
 
 # -- registry -----------------------------------------------------------------------
@@ -162,6 +72,7 @@ def load_patches() -> Dict[str, Patch]:
                     patch.doc = module.__doc__ or ""
                 _patches[patch.name] = patch
                 _states[patch.name] = _State()
+                _modules[patch.name] = module
         return _patches
 
 
@@ -218,6 +129,80 @@ def patch_names() -> Tuple[str, ...]:
 
 def get_patch(name: str) -> Patch:
     return load_patches()[name]
+
+
+# -- introspection (public: scenarios, tests and other libraries use these, never private state) --
+class Change(tuple):
+    """One attribute a patch replaced: ``(owner, attr, original, replacement)``;
+    ``original`` is what ``owner.__dict__`` held at apply time (``None`` with
+    ``missing=True`` where the attribute was inherited or absent)."""
+
+    __slots__ = ()
+
+    def __new__(cls, owner, attr, original, replacement):
+        return tuple.__new__(cls, (owner, attr, original, replacement))
+
+    owner = property(lambda self: self[0])
+    attr = property(lambda self: self[1])
+    original = property(lambda self: self[2])
+    replacement = property(lambda self: self[3])
+
+
+def stats(name: str) -> dict:
+    """A copy of what patch ``name`` has done in this process (its own
+    counters, e.g. ``{"gathered": 2}``); ``{}`` for a patch that keeps none."""
+    load_patches()
+    if name not in _patches:
+        _known([name], "stats")
+    return dict(getattr(_modules.get(name), "stats", None) or {})
+
+
+def changes(name: str) -> "List[Change]":
+    """The attributes patch ``name`` has replaced and not undone, in the order
+    it replaced them (``"engine_tracking"``: the engine tracker the ZeRO
+    patches share).  Empty for a patch that is not applied."""
+    from ._patcher import _MISSING
+
+    if name == "engine_tracking":
+        from . import _engines
+
+        patcher = _engines._patcher
+    else:
+        load_patches()
+        if name not in _patches:
+            _known([name], "changes")
+        patcher = _states[name].patcher
+    records = list(patcher._changes) if patcher is not None else []
+    return [Change(owner, attr, None if previous is _MISSING else previous, value)
+            for owner, attr, previous, value in records if owner is not None]
+
+
+def _change_of(owner: object, attr: str) -> "Optional[Change]":
+    current = getattr(owner, attr, None)
+    for name in ("engine_tracking",) + patch_names():
+        for change in changes(name):
+            if change.owner is owner and change.attr == attr and change.replacement is current:
+                return change
+    return None
+
+
+def is_object_patched(owner: object, attr: str) -> bool:
+    """True if ``owner.attr`` is, right now, a replacement zeroshim made (as
+    gevent.monkey's ``is_object_patched``)."""
+    return _change_of(owner, attr) is not None
+
+
+def get_original(owner: object, attr: str) -> object:
+    """What ``owner.attr`` was before zeroshim replaced it (captured at apply
+    time); ``owner.attr`` itself where zeroshim did not replace it.  Where the
+    attribute was inherited, the inherited object."""
+    change = _change_of(owner, attr)
+    if change is None:
+        return getattr(owner, attr)
+    if change.original is not None:
+        return change.original
+    wrapped = getattr(change.replacement, "__wrapped__", None)
+    return wrapped if wrapped is not None else change.replacement
 
 
 # -- flags --------------------------------------------------------------------------

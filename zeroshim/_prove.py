@@ -6,7 +6,8 @@ no flag turned off), the patch's reproduction runs in subprocesses (torchrun,
 it, and the outcome is judged the way the test suite judges it: the failure
 (or, for a silent bug, the numerical difference) without zeroshim, and with
 it a run that trains and equals its reference.  The reproductions are the
-test suite's scenarios, shipped in ``zeroshim/scenarios``.  Exit status 0 if
+test suite's scenarios, shipped in each patch's folder (``patches/<name>/scenario.py``),
+and each patch's ``proof.py`` is the judge the test suite uses too.  Exit status 0 if
 every patch that ran proved itself, 1 if one did not.
 """
 
@@ -15,71 +16,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
-SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
+
+# -- judging (the helpers every patch's proof.py uses) -------------------------------------
+ABORT_AT_EXIT = "terminate called without an active exception"
 
 
-# -- launching -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env(nproc: int) -> dict:
-    """This environment without zeroshim's flags (the runs decide themselves
-    whether zeroshim is active), offline, one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_") and k != "PYTHON_ZEROSHIM_ENV"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true", LOCAL_SIZE=str(nproc))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SCENARIOS, env.get("PYTHONPATH", "")]))
-    return env
-
-
-def launch(script: str, nproc: int, out: str, *args: str, timeout: float = 900) -> dict:
-    """Run ``zeroshim/scenarios/<script>`` on ``nproc`` ranks; ``{"returncode", "log", "ranks"}``."""
-    os.makedirs(out, exist_ok=True)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(port), os.path.join(SCENARIOS, script), "--out", out, *args]
-    try:
-        proc = subprocess.run(cmd, env=_env(nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
-        code, log = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as exc:
-        code, log = -1, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
-    finally:  # DeepSpeed's CPU comm op leaves one shared-memory buffer per rank and launch
-        for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
-            if name.startswith("deepspeed_") and f"_{port}_" in name:
-                try:
-                    os.unlink(os.path.join("/dev/shm", name))
-                except OSError:
-                    pass
-    with open(os.path.join(out, "log.txt"), "w") as fh:
-        fh.write(log)
-    ranks = []
-    for rank in range(nproc):
-        path = os.path.join(out, f"rank{rank}.json")
-        ranks.append(json.load(open(path)) if os.path.exists(path) else None)
-    return {"returncode": code, "log": log, "ranks": ranks}
-
-
-def _python(code: str, timeout: float = 300):
-    env = _env(1)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-# -- judging ---------------------------------------------------------------------------
 class Unproven(Exception):
     """A launch did not produce what the judge needs (it crashed, or the runs disagree)."""
 
 
-def _first_line(error: "str | None") -> str:
+def first_line(error: "str | None") -> str:
     """The exception's type and message; for a bare assertion, the asserting line."""
     message, _, frames = (error or "").partition(" @ ")
     text = re.sub(r"\s+", " ", message).strip()
@@ -90,171 +40,110 @@ def _first_line(error: "str | None") -> str:
     return text[:110] + ("…" if len(text) > 110 else "")
 
 
-def _ranks(result: dict) -> list:
-    if result["returncode"] != 0 or None in result["ranks"]:
-        tail = result["log"][-1500:]
-        raise Unproven(f"the launch exited {result['returncode']}: {tail}")
-    return result["ranks"]
+_LAUNCHER = re.compile(r"torch\.distributed\.elastic|ChildFailedError|torch/distributed/run\.py|"
+                       r"^\s*(File |Traceback|raise |return |\^)")
+_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b.*|"
+                    r"terminate called .*|Segmentation fault.*|Killed.*)$")
 
 
-def _equal(run: dict, reference: dict, keys=("losses", "param_sha256")) -> bool:
+def root_cause(log: str) -> str:
+    """The line of a failed launch's log that says why a rank failed: the last
+    exception line a rank printed, not the launcher's own traceback."""
+    found = ""
+    for line in log.splitlines():
+        if _LAUNCHER.search(line):
+            continue
+        match = _ERROR.match(line.strip())
+        if match:
+            found = line.strip()
+    return found[:200] or "(no error line in the log)"
+
+
+def ranks_of(result: dict) -> list:
+    """The per-rank results of a launch, or :class:`Unproven` with the root cause
+    and where the log is.  A launch whose every rank wrote its results and that
+    then aborted at interpreter exit (gloo's run loop during finalisation, see
+    the README's crashes section) is judged by its results."""
+    ranks = result["ranks"]
+    if None in ranks:
+        code = result["returncode"]
+        why = "timed out" if code == -1 else f"exited {code}"
+        missing = [str(r) for r, v in enumerate(ranks) if v is None]
+        raise Unproven(f"the launch {why}, rank(s) {', '.join(missing)} wrote no result: "
+                       f"{root_cause(result['log'])}" + (f" (log: {result['log_path']})" if result.get("log_path") else ""))
+    return ranks
+
+
+def equal(run: dict, reference: dict, keys=("losses", "param_sha256")) -> bool:
     return bool(run.get("ok")) and bool(reference.get("ok")) and all(run.get(k) == reference.get(k) for k in keys)
 
 
-def _failed_vs_equal(ranks, without_key, with_key, reference_key, keys=("losses", "param_sha256")):
+def shows_bug(patch: str, error: "str | None") -> bool:
+    """Does a recorded error carry one of patch ``patch``'s own signatures (its
+    message pattern: a recorded error has no log around it)?"""
+    from ._core import get_patch
+
+    for signature in get_patch(patch).signatures:
+        pattern = signature if isinstance(signature, str) else signature[0]
+        if error and re.search(pattern, error):
+            return True
+    return False
+
+
+def failed_vs_equal(ranks, without_key, with_key, reference_key, keys=("losses", "param_sha256"), patch=None):
+    """Without zeroshim every rank failed -- with patch ``patch``'s own signature
+    where given (another failure is reported as such, and proves nothing) --
+    and with zeroshim every rank trained to the reference."""
     without = [r[without_key] for r in ranks]
     with_ = [r[with_key] for r in ranks]
     failed = all(not w.get("ok") for w in without)
-    equal = all(_equal(w, r[reference_key], keys) for w, r in zip(with_, ranks))
-    said_without = _first_line(without[0].get("error")) if failed else "trained (the bug did not show)"
-    said_with = ("trained; losses and parameters equal the reference bit for bit" if equal else
-                 f"did not match: {_first_line(with_[0].get('error')) or 'numbers differ from the reference'}")
-    return said_without, said_with, failed and equal
+    own = failed and (patch is None or all(shows_bug(patch, w.get("error")) for w in without))
+    same = all(equal(w, r[reference_key], keys) for w, r in zip(with_, ranks))
+    if not failed:
+        said_without = "trained (the bug did not show)"
+    elif not own:
+        said_without = f"failed with another error (not this bug): {first_line(without[0].get('error'))}"
+    else:
+        said_without = first_line(without[0].get("error"))
+    said_with = ("trained; losses and parameters equal the reference bit for bit" if same else
+                 f"did not match: {first_line(with_[0].get('error')) or 'numbers differ from the reference'}")
+    return said_without, said_with, own and same
 
 
-def judge_nonreentrant(tmp, nproc, device):
-    ranks = _ranks(launch("checkpoint_reuse.py", nproc, tmp, "--stages", "2,3"))
-    results = [_failed_vs_equal(ranks, f"baseline/z{s}", f"patched/z{s}", f"reference/z{s}") for s in (2, 3)]
-    return ("; ".join(f"ZeRO-{s}: {r[0]}" for s, r in zip((2, 3), results)),
-            "; ".join(f"ZeRO-{s}: {r[1]}" for s, r in zip((2, 3), results)), all(r[2] for r in results))
+def import_judge(patch: str, rank: dict):
+    """The judge of an import-compatibility patch (``common.import_scenario``)."""
+    without, with_ = rank["without"], rank["with"]
+    own = not without["ok"] and shows_bug(patch, without.get("error"))
+    said = ("imported (the bug did not show)" if without["ok"] else first_line(without.get("error")) if own
+            else f"failed with another error (not this bug): {first_line(without.get('error'))}")
+    return (said, "imported" if with_["ok"] else f"failed: {first_line(with_.get('error'))}", own and with_["ok"])
 
 
-def judge_frozen_recompute(tmp, nproc, device):
-    ranks = _ranks(launch("lora_recompute.py", nproc, tmp, "--only", "without/nonreentrant", "--only", "reference",
-                          "--only", "with/nonreentrant"))
-    return _failed_vs_equal(ranks, "without/nonreentrant", "with/nonreentrant", "reference")
+def proof(name: str):
+    """Patch ``name``'s judge, ``zeroshim.patches.<name>.proof`` (None if it ships none)."""
+    from importlib import import_module
+
+    from ._core import _patches_package
+
+    package = _patches_package()
+    if not os.path.isfile(os.path.join(os.path.dirname(package.__file__), name, "proof.py")):
+        return None
+    return import_module(f"zeroshim.patches.{name}.proof")
 
 
-def judge_dummy_loss(tmp, nproc, device):
-    ranks = _ranks(launch("dummy_loss.py", nproc, tmp))
-    return _failed_vs_equal(ranks, "without/used_outside/0.0", "with/used_outside/0.0", "reference/used")
+def _launcher(device: str):
+    """``launch(target, nproc, out, *args)`` for the proofs: the one launcher, keeping
+    each launch's log in its folder."""
+    from . import _launch
 
+    def launch(target, nproc, out, *args, timeout=900):
+        result = _launch.launch(target, nproc, out, *args, timeout=timeout)
+        result["log_path"] = os.path.join(out, "log.txt")
+        if ABORT_AT_EXIT in result["log"] and None not in result["ranks"]:
+            result["aborted_at_exit"] = True
+        return result
 
-def judge_accumulation(tmp, nproc, device):
-    ranks = _ranks(launch("offload_accumulation.py", nproc, tmp))
-    diffs = [max(abs(a - b) for a, b in zip(r["without/ga4/clip0"]["param_values"],
-                                            r["reference/ga4/clip0"]["param_values"])) for r in ranks]
-    silent = all(r["without/ga4/clip0"]["ok"] for r in ranks) and min(diffs) > 1e-4
-    equal = all(_equal(r["with/ga4/clip0"], r["reference/ga4/clip0"]) for r in ranks)
-    return (f"trained on other gradients (GA 4: parameters differ from the run without offload by up to "
-            f"{max(diffs):.2g})" if silent else "matched the run without offload (the bug did not show)",
-            "equals the run without offload bit for bit" if equal else "differs from the run without offload",
-            silent and equal)
-
-
-def judge_weights_only(tmp, nproc, device):
-    ranks = _ranks(launch("checkpoint_resume.py", max(nproc, 1), tmp))
-    without, with_ = [r["resume/without/z3"] for r in ranks], [r["resume/with/z3"] for r in ranks]
-    failed = all(not w["ok"] for w in without)
-    resumed = all(w["ok"] and w["losses"] == r["straight/z3"]["losses"] for w, r in zip(with_, ranks))
-    refused = all(not r["foreign/with/z3"]["ok"] and not r["foreign/with/z3"]["marker_exists"] for r in ranks)
-    return (_first_line(without[0].get("error")) if failed else "resumed (the bug did not show)",
-            ("resumed; losses equal the uninterrupted run; a foreign global is still refused" if resumed and refused
-             else "did not resume exactly, or a foreign global was loaded"), failed and resumed and refused)
-
-
-def judge_delegating(tmp, nproc, device):
-    ranks = _ranks(launch("delegating_wrapper.py", nproc, tmp))
-    return _failed_vs_equal(ranks, "without", "with", "reference", keys=("losses", "trainable_sha256"))
-
-
-def judge_lora_target_parameters(tmp, nproc, device):
-    ranks = _ranks(launch("lora_target_parameters.py", nproc, tmp))
-    return _failed_vs_equal(ranks, "without", "with", "reference")
-
-
-def judge_generate(tmp, nproc, device):
-    if nproc < 2:
-        raise Unproven("needs 2 ranks or more (ranks that stop at different lengths)")
-    without = _ranks(launch("generate_sync.py", 2, os.path.join(tmp, "without"), "--mode", "without",
-                            "--timeout", "30"))
-    with_ = _ranks(launch("generate_sync.py", 2, os.path.join(tmp, "with"), "--mode", "with", "--timeout", "120"))
-    hung = any(r["tokens"] == "hang" for r in without)
-    done = all(r["tokens"] == r["reference"] for r in with_)
-    return ("hung (no rank returned within 30 s after another finished)" if hung else "finished (no hang)",
-            "finished; tokens equal the unpartitioned model's" if done else "hung or other tokens", hung and done)
-
-
-def judge_moe_leaf(tmp, nproc, device):
-    if nproc < 2:
-        raise Unproven("needs 2 ranks or more (ranks that route to different experts)")
-    without = _ranks(launch("moe_leaf.py", 2, os.path.join(tmp, "without"), "--mode", "without", "--timeout", "30"))
-    with_ = _ranks(launch("moe_leaf.py", 2, os.path.join(tmp, "with"), "--mode", "with", "--timeout", "120"))
-    hung = any(r["run"] == "hang" for r in without)
-    errors = [r["run"]["error"] for r in without if r["run"] != "hang" and "error" in r["run"]]
-    same = all(w["run"] != "hang" and "losses" in w["run"] and w["run"]["losses"] == p["reference"]["losses"]
-               for w, p in zip(with_, without))
-    failed = hung or any("disagreement between rank0 and rank" in e for e in errors)
-    return ("hung (ranks gathered different experts)" if hung else
-            _first_line(errors[0]) if errors else "trained (no hang)",
-            "trained; losses equal the block that calls every expert" if same else "hung, failed or other losses",
-            failed and same)
-
-
-def judge_worker_fork(tmp, nproc, device):
-    runs = {c: _ranks(launch("worker_fork.py", nproc, os.path.join(tmp, c.replace("+", "_")), "--config", c,
-                             "--layers", "12", "--width", "1024")) for c in ("none", "workers", "workers+zeroshim")}
-
-    def growth(config):
-        return sum(r["run"]["pss_epoch_last"][-1] - r["run"]["pss_after_init"] for r in runs[config])
-
-    state = sum(r["run"]["state_mb"] for r in runs["none"])
-    none, workers, patched = growth("none"), growth("workers"), growth("workers+zeroshim")
-    same = all(a["run"]["losses"] == b["run"]["losses"] for a, b in zip(runs["workers+zeroshim"], runs["none"]))
-    return (f"+{workers:.0f} MB in epoch 2 with a DataLoader worker vs +{none:.0f} MB without (PSS, {nproc} ranks)",
-            f"+{patched:.0f} MB with the worker; losses {'identical' if same else 'DIFFERENT'}",
-            workers - none > 0.5 * state and patched - none <= 0.25 * (workers - none) and same)
-
-
-def judge_epoch_boundary(tmp, nproc, device):
-    ranks = _ranks(launch("epoch_boundary.py", nproc, tmp))
-    left = [e["gathered_before_boundary"] for r in ranks for e in r["explicit"]["epochs"]]
-    after = [e["gathered_after_boundary"] for r in ranks for e in r["explicit"]["epochs"]]
-    equal = all(_equal(r["explicit"], r["reference/custom"]) for r in ranks)
-    return (f"{max(left)} parameters left gathered at each epoch boundary",
-            f"{max(after)} left after zeroshim.epoch_boundary(); losses {'identical' if equal else 'DIFFERENT'}",
-            min(left) > 0 and max(after) == 0 and equal)
-
-
-def judge_offload_clip(tmp, nproc, device):
-    extra = ("--device", "cuda") if device == "cuda" else ()
-    rank = _ranks(launch("offload_clip.py", 1, tmp, *extra))[0]
-    if device == "cuda":  # the real failure
-        without, with_ = rank["without/offload"], rank["with/offload"]
-        return (_first_line(without.get("error")) if not without.get("ok") else "trained (the bug did not show)",
-                "trained with clipping firing every step" if with_.get("ok") else _first_line(with_.get("error")),
-                not without.get("ok") and bool(with_.get("ok")))
-    without, with_ = rank["without/fake_cuda_norm"], rank["with/fake_cuda_norm"]
-    return (f"{_first_line(without.get('error'))} (the norm on a simulated CUDA device)",
-            "the real method ran with the norm moved to the gradients' device" if with_.get("ok") else "failed",
-            not without.get("ok") and bool(with_.get("ok")))
-
-
-def judge_import(tmp, nproc, device):
-    without = _python("import deepspeed")
-    with_ = _python("import zeroshim, deepspeed; print(deepspeed.__version__)")
-    error = [line for line in without.stderr.splitlines() if "Error" in line]
-    return (error[-1][:110] if without.returncode else "imported (the bug did not show)",
-            "imported" if with_.returncode == 0 else f"failed: {with_.stderr.splitlines()[-1:]}",
-            without.returncode != 0 and with_.returncode == 0)
-
-
-PROOFS = {
-    "torch_elastic_compat": judge_import,
-    "numpy2_compat": judge_import,
-    "nonreentrant_checkpoint": judge_nonreentrant,
-    "zero3_frozen_recompute": judge_frozen_recompute,
-    "offload_clip_device": judge_offload_clip,
-    "zero3_dummy_loss": judge_dummy_loss,
-    "zero2_offload_accumulation": judge_accumulation,
-    "zero3_delegating_wrapper": judge_delegating,
-    "zero3_lora_target_parameters": judge_lora_target_parameters,
-    "checkpoint_weights_only": judge_weights_only,
-    "zero3_generate_sync": judge_generate,
-    "zero3_moe_leaf": judge_moe_leaf,
-    "offload_worker_fork": judge_worker_fork,
-    "epoch_boundary": judge_epoch_boundary,
-}
+    return launch
 
 
 # -- the command -----------------------------------------------------------------------
@@ -265,12 +154,13 @@ def prove(names=None, nproc: int = 2, device: str = "cpu", keep: "str | None" = 
 
     rows = []
     tmp_root = keep or tempfile.mkdtemp(prefix="zeroshim-prove-")
+    launch = _launcher(device)
     for name, st in _core.status().items():
         if names and name not in names:
             continue
         row = {"patch": name, "state": st.state, "reason": st.reason, "without": "", "with": "",
                "proven": None, "seconds": 0.0}
-        judge = PROOFS.get(name)
+        judge = proof(name)
         if st.state not in ("applied", "pending", "bypassed"):
             row["without"] = f"not run: {st.state} ({st.reason})"
         elif judge is None:
@@ -279,9 +169,10 @@ def prove(names=None, nproc: int = 2, device: str = "cpu", keep: "str | None" = 
             echo(f"proving {name} ...")
             start = time.time()
             try:
-                row["without"], row["with"], row["proven"] = judge(os.path.join(tmp_root, name), nproc, device)
+                row["without"], row["with"], row["proven"] = judge.prove(launch, os.path.join(tmp_root, name),
+                                                                         nproc, device)
             except Unproven as exc:
-                row["with"], row["proven"] = f"could not run: {str(exc)[:300]}", False
+                row["with"], row["proven"] = f"could not run: {str(exc)[:400]}", False
             except (KeyError, TypeError, ValueError) as exc:  # a result without what the judge reads
                 row["with"], row["proven"] = f"could not judge: {exc!r}", False
             row["seconds"] = time.time() - start
@@ -308,16 +199,20 @@ def main(args) -> int:
 
     names = [n.strip() for n in args.patches.split(",") if n.strip()] if args.patches else None
     if names:
-        unknown = [n for n in names if n not in PROOFS]
+        from ._core import patch_names
+
+        unknown = [n for n in names if n not in patch_names()]
         if unknown:
-            print(f"zeroshim prove: unknown patch(es) {', '.join(unknown)}; valid: {', '.join(PROOFS)}",
+            print(f"zeroshim prove: unknown patch(es) {', '.join(unknown)}; valid: {', '.join(patch_names())}",
                   file=sys.stderr)
             return 2
     echo = (lambda *a, **k: None) if args.json else (lambda msg: print(msg, flush=True))
-    rows = prove(names, nproc=args.nproc, device=args.device, keep=args.keep, echo=echo)
+    keep = args.keep or tempfile.mkdtemp(prefix="zeroshim-prove-")
+    rows = prove(names, nproc=args.nproc, device=args.device, keep=keep, echo=echo)
     versions = {p: _versions.installed(p) for p in ("torch", "deepspeed", "transformers", "peft")}
     if args.json:
         print(json.dumps({"versions": versions, "rows": rows}, indent=2))
     else:
         print(table(rows, versions))
+        print(f"Logs of every run: {keep}")
     return 0 if all(r["proven"] is not False for r in rows) else 1

@@ -264,3 +264,43 @@ def versions() -> dict:
         except Exception:
             out[name] = None
     return out
+
+
+def import_scenario(patch: str) -> None:
+    """The scenario of an import-compatibility patch (``torch_elastic_compat``,
+    ``numpy2_compat``): ``import deepspeed`` in a fresh interpreter without
+    zeroshim (``without``), and with ``import zeroshim`` first (``with``: also
+    the patch's status there).  Each rank writes ``rank<R>.json``; nothing here
+    imports DeepSpeed into this process, which could not where the bug exists.
+    ``--pythonpath DIR`` puts DIR first on the interpreters' path (numpy 2 in a
+    side directory for ``numpy2_compat``)."""
+    import argparse
+    import subprocess
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pythonpath", default="")
+    args = parser.parse_args()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.pythonpath, env.get("PYTHONPATH", "")]))
+
+    def attempt_import(code: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        lines = proc.stdout.strip().splitlines()
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+        out = {"ok": proc.returncode == 0, "returncode": proc.returncode}
+        if proc.returncode:
+            out["error"] = (errors[-1] if errors else proc.stderr.strip()[-300:]) + " @ " + proc.stderr[-3000:]
+        elif lines:
+            out["status"] = json.loads(lines[-1])
+        return out
+
+    results = {"versions": {"python": sys.version.split()[0]},
+               "without": attempt_import("import deepspeed"),
+               "with": attempt_import("import json, zeroshim, deepspeed; "
+                                      f"print(json.dumps(zeroshim.status()[{patch!r}].as_dict()))")}
+    results["status"] = results["with"].get("status")
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh, indent=1, sort_keys=True)

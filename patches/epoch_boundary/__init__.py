@@ -1,0 +1,208 @@
+"""Free what ZeRO-3 leaves behind at every epoch boundary.
+
+Symptom
+    ZeRO-3 on a large model, several epochs: host (and device) memory a
+    previous epoch left behind is still held when the next one starts:
+    parameters an evaluation pass or hand-written code left gathered (with
+    ``offload_param`` these are full-size host copies of whole layers on every
+    rank), and freed heap that glibc keeps mapped.
+
+    The best-known report of host OOM at epoch 2 with ZeRO-3 offload (34B,
+    XTuner) has another cause, DataLoader workers forked every epoch copying
+    the offloaded optimizer state; that is patch ``offload_worker_fork``.  This
+    patch is what is left to do at the boundary itself.
+
+Cause
+    ZeRO-3 releases a parameter in its module's post-forward / post-backward
+    hook.  Forwards outside the traced order (evaluation at an epoch end, a
+    module skipped this step), or parameters gathered by hand, can leave
+    parameters gathered after the step; DeepSpeed documents this in
+    ``DeepSpeedZeRoOffload.partition_all_parameters``.  And ZeRO-3 gathers and
+    frees every parameter each step: glibc serves those allocations (below its
+    mmap threshold) from heap it keeps after they are freed.
+
+Affected versions
+    Every DeepSpeed release with ZeRO-3 (nothing upstream frees at epoch
+    boundaries; ``DeepSpeedEngine.empty_partition_cache`` exists since 0.9 and
+    is what this patch calls).  Checked on 0.14.1, 0.16.9, 0.19.2 and 0.19.8.
+
+Flag
+    ``ZEROSHIM_EPOCH_BOUNDARY=auto|on|off`` (default ``auto``).  The explicit
+    call :func:`zeroshim.epoch_boundary` works whatever the flag says.
+
+Fix
+    At every epoch boundary, while a DeepSpeed engine with ZeRO stage 3 is
+    alive (engines are tracked by a wrapper of ``DeepSpeedEngine.__init__``
+    shared with other patches, ``zeroshim/_engines.py``):
+
+    1. every gathered ZeRO-3 parameter is released
+       (``engine.empty_partition_cache()``, DeepSpeed's public API, which also
+       runs ``gc.collect()`` and empties the accelerator cache);
+    2. when CUDA is initialised, the pinned host-memory cache is emptied
+       (not measured here: this machine has no GPU);
+    3. glibc's ``malloc_trim(0)`` returns freed heap to the OS (skipped where
+       the C library has no ``malloc_trim``);
+    4. PSS before/after is logged at DEBUG.
+
+    Kept from the first version because it measurably helps (benchmarks
+    ``epoch_memory.py``, RESULTS.md §4): releasing parameters left gathered
+    (the tests count them, 6 per boundary -> 0) and ``malloc_trim``.  Dropped
+    because it did not: zeroshim's own ``gc.collect()`` and accelerator
+    ``empty_cache()`` after DeepSpeed's (they found nothing at any measured
+    boundary).
+
+    Epoch boundaries are found in three places: HF Trainer's epoch *begin*
+    (``CallbackHandler.on_epoch_begin`` of every epoch after the first: after
+    the previous epoch's evaluation and saving, which ``on_epoch_end``
+    precedes, and before the new epoch's DataLoader workers start), a
+    DataLoader given to ``deepspeed.initialize`` when it is iterated again
+    (``DeepSpeedDataLoader.__iter__``), and the public
+    ``zeroshim.epoch_boundary(engine=None)`` for custom loops, which must be
+    called on every rank (releasing resets each rank's parameter-fetch trace;
+    ranks must agree on it).
+
+    Numerics: releasing a parameter keeps its partition; the next forward
+    gathers it again, so training is unchanged (the tests compare losses and
+    parameters bit for bit).  Cost per epoch: one re-gather of what was
+    released and a ``malloc_trim``.
+
+Undo
+    ``zeroshim.unpatch("epoch_boundary")`` restores ``DeepSpeedDataLoader.__iter__``
+    and ``CallbackHandler.on_epoch_begin``, and ``DeepSpeedEngine.__init__`` once
+    no other patch needs engine tracking.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+
+from zeroshim import _engines, _memory
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require_attr
+
+NAME = "epoch_boundary"
+log = logging.getLogger("zeroshim")
+
+# DeepSpeedDataLoaders iterated at least once: the next __iter__ starts a new epoch.
+_iterated: "weakref.WeakSet" = weakref.WeakSet()
+#: boundaries handled and parameters released since import (introspection and tests)
+stats = {"boundaries": 0, "params_released": 0, "last": None}
+
+
+# -- what is freed --------------------------------------------------------------------
+def _gathered(engine) -> int:
+    """The number of the engine's ZeRO-3 parameters that are gathered now."""
+    module = getattr(engine, "module", None)
+    if module is None:
+        return 0
+    return sum(1 for p in module.parameters() if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE")
+
+
+def _empty_host_cache() -> None:
+    """The pinned-memory caching allocator of CUDA (only once CUDA is initialised)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+
+
+def epoch_boundary(engine=None, where: str = "explicit") -> dict:
+    """Free what an epoch leaves behind: release every gathered ZeRO-3 parameter
+    of ``engine`` (default: every live ZeRO-3 engine zeroshim tracks), empty
+    the pinned host cache and ``malloc_trim`` the heap.
+
+    Call it between epochs, on every rank, while no forward/backward is
+    running.  Returns what was done: ``{"where", "engines", "params_released",
+    "trimmed", "pss_before_mb", "pss_after_mb"}``."""
+    engines = [engine] if engine is not None else _engines.live(3)
+    before = _memory.pss_mb()
+    released = 0
+    for eng in engines:
+        stage = eng.zero_optimization_stage() if hasattr(eng, "zero_optimization_stage") else 0
+        if stage == 3:
+            gathered = _gathered(eng)
+            eng.empty_partition_cache()  # also gc.collect() and the accelerator's empty_cache()
+            released += gathered - _gathered(eng)
+    _empty_host_cache()
+    trimmed = _memory.malloc_trim()
+    after = _memory.pss_mb()
+    result = {"where": where, "engines": len(engines), "params_released": released, "trimmed": trimmed,
+              "pss_before_mb": before, "pss_after_mb": after}
+    stats["boundaries"] += 1
+    stats["params_released"] += released
+    stats["last"] = result
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("zeroshim[%s]: epoch boundary (%s): released %d gathered ZeRO-3 parameter(s) of %d engine(s), "
+                  "malloc_trim %s; PSS %s -> %s MiB", NAME, where, released, len(engines),
+                  "returned memory" if trimmed else "returned nothing", _fmt(before), _fmt(after))
+    return result
+
+
+def _fmt(mb) -> str:
+    return "?" if mb is None else f"{mb:.1f}"
+
+
+def _automatic(where: str) -> None:
+    """An epoch boundary found by a hook: act only while the patch is active and
+    a ZeRO-3 engine is alive."""
+    if is_active(NAME) and _engines.live(3):
+        epoch_boundary(None, where)
+
+
+# -- wrappers -------------------------------------------------------------------------
+def _trainer_epoch_begin(wrapped, instance, args, kwargs):
+    """Wraps ``transformers.trainer_callback.CallbackHandler.on_epoch_begin(args, state, control)``:
+    the begin of every epoch after the first is a boundary."""
+    with guard(NAME):
+        state = args[1] if len(args) > 1 else kwargs.get("state")
+        if (getattr(state, "epoch", 0) or 0) > 0:
+            _automatic("Trainer epoch begin")
+    return wrapped(*args, **kwargs)
+
+
+def _dataloader_iter(wrapped, instance, args, kwargs):
+    """Wraps ``DeepSpeedDataLoader.__iter__``: iterating it again starts an epoch."""
+    with guard(NAME):
+        if instance in _iterated:
+            _automatic("DeepSpeedDataLoader re-iterated")
+        else:
+            _iterated.add(instance)
+    return wrapped(*args, **kwargs)
+
+
+# -- applying -------------------------------------------------------------------------
+def patch_deepspeed_engine(module, patcher: Patcher) -> None:
+    require_attr(require_attr(module, "DeepSpeedEngine"), "empty_partition_cache")
+    _engines.use(NAME, module, patcher)
+
+
+def patch_deepspeed_dataloader(module, patcher: Patcher) -> None:
+    patcher.wrap(require_attr(module, "DeepSpeedDataLoader"), "__iter__", _dataloader_iter)
+
+
+def patch_trainer_callbacks(module, patcher: Patcher) -> None:
+    patcher.wrap(require_attr(module, "CallbackHandler"), "on_epoch_begin", _trainer_epoch_begin)
+
+
+def _forget() -> None:
+    _iterated.clear()
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="ZeRO-3: parameters left gathered and freed heap held into the next epoch (released at each epoch "
+            "boundary)",
+    signatures=(),
+    versions="every DeepSpeed release with ZeRO-3",
+    affects={"deepspeed": ""},
+    targets={
+        "deepspeed.runtime.engine": patch_deepspeed_engine,
+        "deepspeed.runtime.dataloader": patch_deepspeed_dataloader,
+        "transformers.trainer_callback": patch_trainer_callbacks,
+    },
+    on_undo=_forget,
+)

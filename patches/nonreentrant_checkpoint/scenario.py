@@ -1,0 +1,102 @@
+"""Scenario for patch ``nonreentrant_checkpoint``.
+
+A checkpointed encoder runs once per sample (as a vision tower called per
+image).  Phases, all in one process per rank:
+
+1. without zeroshim: reference runs (``use_reentrant=False``) and the failing
+   runs (``use_reentrant=True``) at each ZeRO stage;
+2. ``import zeroshim`` (torch and deepspeed are already imported: the patch is
+   applied at once, and this module's ``checkpoint`` was bound before it);
+3. the reentrant runs again, patched;
+4. ``zeroshim.unpatch()``: the originals are back and the runs fail again.
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint  # bound before zeroshim is imported
+
+from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
+
+deepspeed = import_deepspeed()
+
+STEPS = 3
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+        self.use_reentrant = True
+        self.grad_fn_seen = None
+
+    def forward(self, x):
+        h = self.stem(x)
+        feats = [checkpoint(self.enc, h[i:i + 1], use_reentrant=self.use_reentrant) for i in range(h.shape[0])]
+        self.grad_fn_seen = type(feats[0].grad_fn).__name__
+        return self.head(torch.cat(feats)).float().pow(2).mean()
+
+
+def train(stage: int, use_reentrant: bool) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    model.use_reentrant = use_reentrant
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen).to(engine.module.stem.weight.dtype)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_fn": model.grad_fn_seen, **param_digest(engine)}
+
+
+def run_all(tag: str, use_reentrant: bool, stages) -> dict:
+    return {f"{tag}/z{stage}": attempt(train, stage, use_reentrant) for stage in stages}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stages", default="0,2,3")
+    args = parser.parse_args()
+    stages = [int(s) for s in args.stages.split(",")]
+    init_distributed()
+
+    results = {"versions": versions()}
+    assert "zeroshim" not in sys.modules or not sys.modules["zeroshim"].is_applied("nonreentrant_checkpoint")
+    results.update(run_all("reference", False, stages))
+    results.update(run_all("without", True, stages))
+
+    zeroshim = enable_zeroshim()
+    results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
+    results["alias_is_original"] = checkpoint is torch.utils.checkpoint.checkpoint
+    results.update(run_all("with", True, stages))
+
+    zeroshim.unpatch("nonreentrant_checkpoint")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.utils.checkpoint import CheckpointFunction
+
+    from zeroshim import _engines
+    from zeroshim._patcher import is_patched_by
+
+    # DeepSpeedEngine.__init__ stays wrapped (by the shared engine tracker only) while
+    # another patch (epoch_boundary) tracks engines; otherwise it is the original function.
+    init = vars(DeepSpeedEngine)["__init__"]
+    results["undo_restored"] = ("apply" not in vars(CheckpointFunction)
+                                and "nonreentrant_checkpoint" not in _engines.users()
+                                and (is_patched_by(init, _engines.PATCH_NAME) if _engines.users()
+                                     else type(init).__name__ == "function"))
+    results.update(run_all("undone", True, stages))
+    end(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""The judge of ``offload_clip_device`` (used by ``zeroshim prove`` and tests/test_offload_clip_device.py):
+gradient clipping with ZeRO CPU offload; on CUDA the real failure, on CPU the clip with a simulated CUDA norm."""
+
+from zeroshim._prove import first_line, ranks_of
+
+NAME = "offload_clip_device"
+
+
+def judge(rank, device="cpu"):
+    """``rank``: the one rank's results."""
+    if device == "cuda":  # the real failure
+        without, with_ = rank["without/offload"], rank["with/offload"]
+        return (first_line(without.get("error")) if not without.get("ok") else "trained (the bug did not show)",
+                "trained with clipping firing every step" if with_.get("ok") else first_line(with_.get("error")),
+                not without.get("ok") and bool(with_.get("ok")))
+    without, with_ = rank["without/fake_cuda_norm"], rank["with/fake_cuda_norm"]
+    return (f"{first_line(without.get('error'))} (the norm on a simulated CUDA device)",
+            "the real method ran with the norm moved to the gradients' device" if with_.get("ok") else "failed",
+            not without.get("ok") and bool(with_.get("ok")))
+
+
+def prove(launch, out, nproc, device):
+    extra = ("--device", "cuda") if device == "cuda" else ()
+    return judge(ranks_of(launch(NAME, 1, out, *extra))[0], device)

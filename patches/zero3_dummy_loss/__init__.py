@@ -1,0 +1,287 @@
+"""Strip zero-weighted "dummy" loss terms over partitioned parameters under ZeRO-3.
+
+Symptom
+    Model or training code adds a term so that every parameter "takes part" in
+    backward (the usual workaround for DDP's "parameters that were not used in
+    producing loss", carried over to DeepSpeed), built from the parameters
+    themselves::
+
+        dummy = sum(p.sum() for p in self.adapter.parameters()) * 0.0
+        loss = loss + dummy
+
+    (Frameworks' own dummy terms, such as ms-swift's for multimodal models, run
+    a real module forward on a dummy input; those go through DeepSpeed's hooks
+    and are not affected.)
+
+    Harmless under ZeRO-1/2; under ZeRO-3 backward fails:
+
+    * adapter also used in the forward: ``RuntimeError: Function SumBackward0
+      returned an invalid gradient at index 0 - got [0] but expected shape
+      compatible with [48]`` (or the reverse, [12480] vs [0]);
+    * adapter not used in the forward: ``RuntimeError: 0 != 48 Cannot reduce
+      scatter gradients whose size is not same as the params`` (stage3.py,
+      ``__reduce_and_partition_ipg_grads``).
+
+Cause
+    Outside its module's forward a ZeRO-3 parameter is not gathered: its
+    ``.data`` is an empty placeholder of shape [0].  ``p.sum()`` records that
+    shape in the autograd graph, so the gradient the term sends back has shape
+    [0] while the parameter, gathered again for backward, has its real shape (or
+    the reduce step expects ``ds_numel`` elements).
+
+Affected versions
+    Every ZeRO-3 release: reproduced on DeepSpeed 0.14.1, 0.16.9 and 0.19.8
+    (CPU, 1 and 2 ranks, ``stage3_param_persistence_threshold: 0``).  No
+    upstream fix: the term is wrong for a partitioned parameter.
+
+Flag
+    ``ZEROSHIM_ZERO3_DUMMY_LOSS=auto|on|off`` (default ``auto``).
+
+Fix
+    ``DeepSpeedEngine.backward(loss)`` (which HF Trainer and accelerate call too)
+    is wrapped.  Under ZeRO-3 it walks the loss's autograd graph once and finds
+    multiplications by a literal or constant zero (``* 0.0``, ``* 0``,
+    ``* torch.tensor(0.)``, either operand) whose other operand's subgraph
+    reaches ZeRO-3 parameters directly, i.e. not through DeepSpeed's module
+    hooks (a term built from parameters outside their module's forward).  Those
+    multiplication nodes get a pre-hook that makes their incoming gradient
+    undefined, so autograd sends nothing into the term: the step is exactly the
+    step without it (0 x anything contributes nothing).  A parameter whose only
+    path was the cut term still has its DeepSpeed gradient hook fire, with
+    ``param.grad`` None; for those parameters only,
+    ``reduce_ready_partitions_and_remove_grads`` is skipped, as if the hook had
+    not fired (DeepSpeed's own count of fired hooks is left intact).
+    Zero-multiplications that do not reach ZeRO-3 parameters, or that reach
+    them only through the module hooks (``loss * 0`` to skip a batch), are left
+    alone, and ZeRO-1/2 and non-DeepSpeed runs are untouched.  A mixed term
+    (``(out.sum() + sum(p.sum() for p in ps)) * 0``) reaches ``ps`` directly
+    and is cut whole.  The zero may be a Python number, or a tensor that needs
+    no grad with at most 64 elements, all zero, read when the walk meets it
+    (so a weight that is zero only at run time counts, and the same term with
+    a nonzero weight is left to fail as it does upstream: it is wrong under
+    ZeRO-3).  ``engine.backward(loss)`` and ``engine.backward(loss=loss)`` are
+    both handled.  The number of stripped terms is logged once per engine.
+
+    The loss *value*: such a term is evaluated on whatever the parameters are
+    when it is built; on an empty placeholder ``p.sum()`` gives 0 but
+    ``p.mean()`` gives NaN (the mean of no elements), and ``NaN * 0`` is NaN.
+    zeroshim cuts the term from backward, so the gradients and the step are
+    exact, but the loss the user logs can be NaN (in the tests: at the first
+    step, where the adapter is a placeholder); zeroshim says so once per
+    engine (a warning).
+
+Undo
+    ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``
+    and ``DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from zeroshim import _log
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require, require_attr
+
+NAME = "zero3_dummy_loss"
+
+_MUL_NODES = ("MulBackward0", "MulBackward1")
+# ids of the parameters whose only gradient path was cut, for the backward now
+# running (ids, not a WeakSet: tensors compare elementwise; parameters outlive it).
+_cut_params: set = set()
+_announced: "weakref.WeakSet" = weakref.WeakSet()
+#: terms stripped since import (introspection and tests)
+stats = {"stripped": 0, "backward_calls_walked": 0, "nan_loss_seen": 0}
+
+
+#: a tensor factor is read (and compared with zero) only up to this many elements
+_MAX_FACTOR_ELEMENTS = 64
+
+
+def _is_zero(value) -> bool:
+    """A Python number equal to 0, or a small tensor that needs no grad and is
+    all zeros (``torch.tensor(0.)``, per-term weights ``torch.zeros(n)``
+    computed at run time)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    numel = getattr(value, "numel", lambda: 0)()
+    if getattr(value, "requires_grad", True) or not 0 < numel <= _MAX_FACTOR_ELEMENTS:
+        return False
+    return not bool(value.any())
+
+
+def _saved(node, name):
+    try:
+        return getattr(node, name)
+    except (AttributeError, RuntimeError):  # not saved, or already freed
+        return None
+
+
+def _candidate(node) -> bool:
+    """Could ``node`` be a multiplication by a zero?  Decided from its type and
+    edges alone, without reading a saved tensor: inside a non-reentrant
+    checkpoint, reading one runs the checkpointed forward again (and keeps what
+    it recomputed alive until backward)."""
+    name = type(node).__name__
+    if name not in _MUL_NODES:
+        return False
+    edges = [fn for fn, _ in node.next_functions]
+    if name == "MulBackward1":  # tensor * Python number
+        return len(edges) == 1 and edges[0] is not None
+    # tensor * tensor: a zero factor needs no grad (its edge is None), the other side carries the term.
+    return len(edges) == 2 and sum(edge is not None for edge in edges) == 1
+
+
+def _factor_is_zero(node) -> bool:
+    """For a :func:`_candidate` node: is the factor the gradient-carrying input
+    is multiplied by a zero?  Reads only that factor's saved value."""
+    # d/dself = grad * other, d/dother = grad * self: the factor is the other operand.
+    factor = "_saved_other" if node.next_functions[0][0] is not None else "_saved_self"
+    return _is_zero(_saved(node, factor))
+
+
+def _zero_multiplication(node) -> bool:
+    """A Mul node whose gradient-carrying input is multiplied by a zero that
+    needs no grad (``* 0.0``, ``* 0``, ``* torch.tensor(0.)``, either side)."""
+    return _candidate(node) and _factor_is_zero(node)
+
+
+def _zero_term_params(node):
+    """The ZeRO-3 parameters a zero-weighted term rooted at ``node`` reaches
+    directly (see :func:`_direct_zero3_params`), else None.  A tensor factor is
+    read last, only for terms that reach such parameters."""
+    if not _candidate(node):
+        return None
+    if type(node).__name__ == "MulBackward1":  # the factor is a number, free to read
+        return _direct_zero3_params(node) if _factor_is_zero(node) else None
+    params = _direct_zero3_params(node)
+    return params if params and _factor_is_zero(node) else None
+
+
+def _is_deepspeed_hook_node(node) -> bool:
+    forward_cls = getattr(node, "_forward_cls", None)
+    return forward_cls is not None and getattr(forward_cls, "__module__", "").startswith("deepspeed")
+
+
+def _direct_zero3_params(node):
+    """ZeRO-3 parameters reached from ``node`` without passing DeepSpeed's
+    module hooks.  A branch that meets a hook node went through a module's
+    forward, where its parameters were gathered: it is not followed.  So
+    ``loss * 0`` through the model reaches none (nothing to fix), and a mixed
+    term such as ``(out.sum() + sum(p.sum() for p in ps)) * 0`` reaches the
+    ``ps`` (and is cut whole: zero times anything contributes nothing)."""
+    params, seen, stack = [], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if _is_deepspeed_hook_node(current):
+            continue
+        variable = getattr(current, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            if hasattr(variable, "ds_id"):
+                params.append(variable)
+            continue
+        stack.extend(fn for fn, _ in current.next_functions)
+    return params or None
+
+
+def _undefined(grad_outputs):
+    return tuple(None for _ in grad_outputs)
+
+
+def strip_zero_terms(loss) -> int:
+    """Cut the zero-weighted terms of ``loss``'s graph that reach ZeRO-3
+    parameters directly; returns how many were cut."""
+    root = getattr(loss, "grad_fn", None)
+    cut, seen, stack = 0, set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        params = _zero_term_params(node)
+        if params:
+            node.register_prehook(_undefined)
+            _cut_params.update(id(p) for p in params)
+            cut += 1
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return cut
+
+
+# -- wrappers -------------------------------------------------------------------------
+def _engine_backward(wrapped, instance, args, kwargs):
+    """Wraps ``DeepSpeedEngine.backward(loss, ...)`` (``loss`` positional or keyword)."""
+    cut = 0
+    with guard(NAME):
+        loss = args[0] if args else kwargs.get("loss")
+        if is_active(NAME) and loss is not None and instance.zero_optimization_stage() == 3:
+            _cut_params.clear()
+            cut = strip_zero_terms(loss)
+            stats["stripped"] += cut
+            stats["backward_calls_walked"] += 1
+            if cut and instance not in _announced:
+                _announced.add(instance)
+                _log.info("zeroshim[%s]: stripped %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters "
+                          "from backward (they contribute nothing; under ZeRO-3 they crash backward). Logged once "
+                          "per engine.", NAME, cut)
+                if loss.isnan().any():  # one check per engine, only where terms were cut
+                    stats["nan_loss_seen"] += 1
+                    _log.warning("zeroshim[%s]: the loss VALUE is NaN, while its gradients are exact: a "
+                                 "zero-weighted term was computed on empty ZeRO-3 placeholders outside the forward "
+                                 "(p.mean() of an empty tensor is NaN, and NaN * 0 is NaN). zeroshim cut the term "
+                                 "from backward, so training is unchanged, but what you log is NaN; build such "
+                                 "terms with p.sum() or leave them out under ZeRO-3.", NAME)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if cut:
+            _cut_params.clear()
+
+
+def _reduce_ready(wrapped, instance, args, kwargs):
+    with guard(NAME):
+        if args and _cut_params and args[0].grad is None and id(args[0]) in _cut_params:
+            return None  # its only gradient path was a stripped zero term: as if the hook had not fired
+    return wrapped(*args, **kwargs)
+
+
+# -- applying -------------------------------------------------------------------------
+def patch_engine(module, patcher: Patcher) -> None:
+    engine_cls = getattr(module, "DeepSpeedEngine", None)
+    require(engine_cls is not None, "deepspeed.runtime.engine.DeepSpeedEngine does not exist")
+    require_attr(engine_cls, "backward")
+    require_attr(engine_cls, "zero_optimization_stage")
+    patcher.wrap(engine_cls, "backward", _engine_backward)
+
+
+def patch_stage3(module, patcher: Patcher) -> None:
+    cls = getattr(module, "DeepSpeedZeroOptimizer_Stage3", None)
+    require(cls is not None, "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 does not exist")
+    require_attr(cls, "reduce_ready_partitions_and_remove_grads")
+    patcher.wrap(cls, "reduce_ready_partitions_and_remove_grads", _reduce_ready)
+
+
+def _forget() -> None:
+    _cut_params.clear()
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="zero-weighted dummy loss over ZeRO-3 parameters: 'SumBackward0 returned an invalid gradient'",
+    signatures=(
+        # what makes it this bug: a [0]-shaped (partitioned ZeRO-3) side, in a DeepSpeed run
+        (r"Function \w+Backward\d+ returned an invalid gradient at index 0 - got (\[0\] but expected shape "
+         r"compatible with \[\d[\d, ]*\]|\[\d[\d, ]*\] but expected shape compatible with \[0\])", r"(?i)deepspeed"),
+        r"\b0 != \d+ Cannot reduce scatter gradients whose size is not same as the params",
+    ),
+    versions="every DeepSpeed release (0.14.1–0.19.8 reproduced)",
+    affects={"deepspeed": ""},
+    targets={
+        "deepspeed.runtime.engine": patch_engine,
+        "deepspeed.runtime.zero.stage3": patch_stage3,
+    },
+    on_undo=_forget,
+)

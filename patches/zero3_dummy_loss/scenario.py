@@ -1,0 +1,170 @@
+"""Scenario for patch ``zero3_dummy_loss``.
+
+``dummy = <sum over adapter parameters> * <zero>`` added to the loss, in every
+combination of: adapter used in the forward or not; term built inside the
+model's forward or outside it; zero written ``0.0``, ``0`` or
+``torch.tensor(0.)``.  Reference: the same model and batch without the dummy
+line.  Phases in one process per rank: without zeroshim (reference and
+failing runs), with zeroshim (ZeRO-3 runs; ZeRO-2 and ZeRO-0 runs with the
+dummy, patched and unpatched, must be identical and strip nothing).
+"""
+
+
+import torch
+import torch.nn as nn
+
+from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
+
+deepspeed = import_deepspeed()
+STEPS = 2
+ZEROS = {"0.0": lambda: 0.0, "0": lambda: 0, "tensor": lambda: torch.tensor(0.)}
+PLACEMENTS = ("used_inside", "used_outside", "unused_inside", "unused_outside")
+
+
+def dummy_term(module, zero):
+    return sum(p.sum() for p in module.adapter.parameters()) * zero
+
+
+class Net(nn.Module):
+    def __init__(self, use_adapter: bool, zero=None):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.adapter = nn.Sequential(nn.Linear(16, 4, bias=False), nn.Linear(4, 16))  # LoRA-like
+        self.head = nn.Linear(16, 1)
+        self.use_adapter, self.zero = use_adapter, zero
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.use_adapter:
+            h = h + self.adapter(h)
+        loss = self.head(h).float().pow(2).mean()
+        if self.zero is not None:
+            loss = loss + dummy_term(self, self.zero)
+        return loss
+
+
+# Further forms of the term (issue #15); each added outside the forward to the model's loss.
+def _params(engine):
+    return list(engine.module.adapter.parameters())
+
+
+FORMS = {
+    # engine.backward(loss=...) as a keyword
+    "keyword": (lambda engine, out: sum(p.sum() for p in _params(engine)) * 0.0, {"keyword": True}),
+    # a mixed term: part through the model (DeepSpeed's hooks), part over the raw parameters
+    "mixed": (lambda engine, out: (out * 1.0 + sum(p.sum() for p in _params(engine))) * 0.0, {}),
+    # per-parameter weights computed at run time, all zero this step
+    "runtime_weights": (lambda engine, out: (torch.stack([p.sum() for p in _params(engine)])
+                                             * torch.zeros(len(_params(engine)))).sum(), {}),
+    # mean of the empty placeholder: the term's value is NaN
+    "mean": (lambda engine, out: sum(p.mean() for p in _params(engine)) * 0.0, {}),
+}
+
+
+def train_form(form, stage=3) -> dict:
+    term, opts = FORMS[form]
+    torch.manual_seed(0)
+    model = Net(use_adapter=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    gen = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen).to(engine.module.body.weight.dtype)
+        out = engine(x)
+        loss = out + term(engine, out)
+        if opts.get("keyword"):
+            engine.backward(loss=loss)
+        else:
+            engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine)}
+
+
+def train_whole_loss_zero(stage) -> dict:
+    """``loss * 0.0`` (skipping a batch): reaches the parameters only through
+    DeepSpeed's module hooks, where they were gathered; must not be touched."""
+    torch.manual_seed(0)
+    model = Net(use_adapter=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).to(engine.module.body.weight.dtype)
+    engine.backward(engine(x) * 0.0)
+    engine.step()
+    return param_digest(engine)
+
+
+def train(stage, placement, zero_name=None) -> dict:
+    torch.manual_seed(0)
+    zero = ZEROS[zero_name]() if zero_name else None
+    inside = zero is not None and placement.endswith("inside")
+    model = Net(use_adapter=placement.startswith("used"), zero=zero if inside else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    gen = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen).to(engine.module.body.weight.dtype)
+        loss = engine(x)
+        if zero is not None and not inside:
+            loss = loss + dummy_term(engine.module, zero)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine)}
+
+
+def main():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--zeros", default=",".join(ZEROS), help="the spellings of zero to run (comma-separated)")
+    args = parser.parse_args()
+    zeros = [z for z in args.zeros.split(",") if z]
+    unknown = set(zeros) - set(ZEROS)
+    if unknown:
+        parser.error(f"unknown --zeros {sorted(unknown)}; valid: {', '.join(ZEROS)}")
+    init_distributed()
+    out, results = args.out, {"versions": versions()}
+    for used in ("used", "unused"):
+        results[f"reference/{used}"] = attempt(train, 3, f"{used}_inside")
+    for placement in PLACEMENTS:
+        for zero in zeros:
+            results[f"without/{placement}/{zero}"] = attempt(train, 3, placement, zero)
+    for stage in (0, 2):
+        results[f"z{stage}/without"] = attempt(train, stage, "unused_outside", "0.0")
+    results["whole_loss_zero/without"] = attempt(train_whole_loss_zero, 3)
+    for form in FORMS:
+        results[f"form/without/{form}"] = attempt(train_form, form)
+
+    zeroshim = enable_zeroshim()
+
+    results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
+    for placement in PLACEMENTS:
+        for zero in zeros:
+            before = zeroshim.stats("zero3_dummy_loss")["stripped"]
+            run = attempt(train, 3, placement, zero)
+            run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
+            results[f"with/{placement}/{zero}"] = run
+    for stage in (0, 2):
+        before = zeroshim.stats("zero3_dummy_loss")["stripped"]
+        run = attempt(train, stage, "unused_outside", "0.0")
+        run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
+        results[f"z{stage}/with"] = run
+    before = zeroshim.stats("zero3_dummy_loss")["stripped"]
+    run = attempt(train_whole_loss_zero, 3)
+    run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
+    results["whole_loss_zero/with"] = run
+    for form in FORMS:
+        before, nan_before = zeroshim.stats("zero3_dummy_loss")["stripped"], zeroshim.stats("zero3_dummy_loss").get("nan_loss_seen", 0)
+        run = attempt(train_form, form)
+        run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
+        run["nan_warned"] = zeroshim.stats("zero3_dummy_loss").get("nan_loss_seen", 0) - nan_before
+        results[f"form/with/{form}"] = run
+    end(out, results)
+
+
+if __name__ == "__main__":
+    main()

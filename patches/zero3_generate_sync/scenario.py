@@ -1,0 +1,60 @@
+"""Scenario for patch ``zero3_generate_sync``: ``generate()`` on a tiny Llama
+partitioned by a raw ``deepspeed.initialize`` (ZeRO-3, no HfDeepSpeedConfig),
+2 ranks that stop at different lengths (rank 0 after 2 new tokens, rank 1
+after 6).  ``--mode without`` runs it without zeroshim: a rank that finishes
+first leaves the loop and the other blocks in its next all-gather; a watchdog
+records that as ``hang`` after ``--timeout`` seconds and ends the process.
+``--mode with`` runs it with zeroshim.  Both record the tokens next to the
+reference: the same model, unpartitioned, generating in this process first.
+"""
+
+import sys
+import time
+
+if "with" in sys.argv:
+    import zeroshim  # noqa: F401
+
+import torch
+
+from common import (ds_config, end_hang_scenario, hang_args, import_deepspeed, init_distributed, versions,
+                    watch_for_hang)
+
+deepspeed = import_deepspeed()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def main():
+    args = hang_args()
+    rank, world = init_distributed()
+    results = {"versions": versions(), "mode": args.mode}
+    model = tiny_llama()
+    prompt = torch.tensor([[1, 5 + rank, 9, 17]])
+    new_tokens = 2 if rank == 0 else 6
+    kw = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        results["reference"] = model.generate(prompt, **kw)[0].tolist()
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(3, micro_batch=1, bf16=False))
+    results["partitioned"] = all(hasattr(p, "ds_id") for p in engine.module.parameters())
+
+    watch_for_hang(args, results, "tokens")  # generate never returned on this rank
+    start = time.time()
+    with torch.no_grad():
+        results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
+    results["seconds"] = time.time() - start
+    if "zeroshim" in sys.modules:
+        results["synced"] = sys.modules["zeroshim"].stats("zero3_generate_sync")["synced"]
+        results["status"] = sys.modules["zeroshim"].status()["zero3_generate_sync"].as_dict()
+    end_hang_scenario(args, results, peers_may_hang=args.mode == "without")
+
+
+if __name__ == "__main__":
+    main()

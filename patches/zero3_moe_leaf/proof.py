@@ -1,0 +1,29 @@
+"""The judge of ``zero3_moe_leaf`` (used by ``zeroshim prove`` and tests/test_zero3_moe_leaf.py): an MoE block
+under ZeRO-3 on 2 ranks that route to different experts."""
+
+import os
+
+from zeroshim._prove import Unproven, first_line, ranks_of
+
+NAME = "zero3_moe_leaf"
+
+
+def judge(runs):
+    """``runs``: ``{"without": ranks, "with": ranks}``."""
+    without, with_ = runs["without"], runs["with"]
+    hung = any(r["run"] == "hang" for r in without)
+    errors = [r["run"]["error"] for r in without if r["run"] != "hang" and "error" in r["run"]]
+    same = all(w["run"] != "hang" and "losses" in w["run"] and w["run"]["losses"] == p["reference"]["losses"]
+               for w, p in zip(with_, without))
+    failed = hung or any("disagreement between rank0 and rank" in e for e in errors)
+    return ("hung (ranks gathered different experts)" if hung else
+            first_line(errors[0]) if errors else "trained (no hang)",
+            "trained; losses equal the block that calls every expert" if same else "hung, failed or other losses",
+            failed and same)
+
+
+def prove(launch, out, nproc, device):
+    if nproc < 2:
+        raise Unproven("needs 2 ranks or more (ranks that route to different experts)")
+    return judge({mode: ranks_of(launch(NAME, 2, os.path.join(out, mode), "--mode", mode, "--timeout", timeout))
+                  for mode, timeout in (("without", "30"), ("with", "120"))})

@@ -1,0 +1,116 @@
+"""Scenario for patch ``zero3_moe_leaf``: a Mixture-of-Experts block whose
+forward calls only the experts that got tokens (as transformers 4.52-4.57 and
+remote-code MoE models do), under ZeRO-3 on 2 ranks.  The block's class is
+named ``DeepseekV2MoE``, as remote-code DeepSeek-V2 names it; its router is
+frozen so that rank 0's tokens go to expert 0 and rank 1's to expert 1.
+
+* ``reference``: the same block calling every expert, also those without
+  tokens (the ranks' all-gathers pair up; the numbers any fix must reproduce);
+* ``--mode without``: skipping empty experts without zeroshim: the ranks
+  gather different experts and wait for each other; a watchdog records
+  ``hang`` after ``--timeout`` seconds and ends the process (DeepSpeed
+  releases that compare the ranks' module traces at the next step raise
+  ``disagreement between rank0 and rank1`` instead: recorded as the error);
+* ``--mode with``: the same with zeroshim.
+"""
+
+import sys
+
+if "with" in sys.argv:
+    import zeroshim  # noqa: F401
+
+import torch
+import torch.nn as nn
+
+from common import (ds_config, end_hang_scenario, hang_args, import_deepspeed, init_distributed, versions,
+                    watch_for_hang)
+
+deepspeed = import_deepspeed()
+WIDTH, EXPERTS, STEPS = 8, 4, 3
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, skip_empty: bool):
+        super().__init__()
+        self.gate = nn.Linear(WIDTH, EXPERTS, bias=False)
+        with torch.no_grad():  # expert e <- input dimension e
+            self.gate.weight.zero_()
+            self.gate.weight[:, :EXPERTS] = torch.eye(EXPERTS)
+        self.gate.requires_grad_(False)
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+        self.skip_empty = skip_empty
+
+    def forward(self, x):
+        route = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (route == e).nonzero().flatten()
+            if self.skip_empty and rows.numel() == 0:
+                continue  # what transformers 4.52+ and remote-code blocks do
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self, skip_empty):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)  # the block's input requires grad, as after attention in a real model
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(WIDTH))
+            self.proj.bias.zero_()
+        self.moe = DeepseekV2MoE(skip_empty)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.head(h + self.moe(h)).float().pow(2).mean()
+
+
+def train(skip_empty: bool) -> dict:
+    torch.manual_seed(0)
+    net = Net(skip_empty)
+    params = [p for p in net.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(params, lr=1e-3),
+                                      config=ds_config(3, micro_batch=2))
+    rank = torch.distributed.get_rank()
+    gen = torch.Generator().manual_seed(11 + rank)
+    losses = []
+    for _ in range(STEPS):
+        x = 0.1 * torch.randn(2, WIDTH, generator=gen)
+        x[:, rank] += 5.0  # this rank's tokens go to expert `rank`
+        loss = engine(x.to(torch.bfloat16))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    leaves = sorted(type(m).__name__ for m in net.modules() if getattr(m, "_z3_leaf", False))
+    return {"losses": losses, "leaves": leaves}
+
+
+def main():
+    args = hang_args()
+    init_distributed()
+    results = {"versions": versions(), "mode": args.mode}
+    results["reference"] = train(skip_empty=False)
+
+    watch_for_hang(args, results, "run")
+    try:
+        results["run"] = train(skip_empty=True)
+    except Exception as exc:  # DeepSpeed's trace check (reset_step) notices the ranks' differing modules
+        results["run"] = {"error": f"{type(exc).__name__}: {exc}"}
+    if "zeroshim" in sys.modules:
+        results["marked"] = sys.modules["zeroshim"].stats("zero3_moe_leaf")["marked"]
+        results["status"] = sys.modules["zeroshim"].status()["zero3_moe_leaf"].as_dict()
+    end_hang_scenario(args, results, peers_may_hang="error" in results["run"] or args.mode == "without")
+
+
+if __name__ == "__main__":
+    main()

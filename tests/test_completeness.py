@@ -1,0 +1,87 @@
+"""Every registered patch is a complete unit (the idea of dd-trace-py's
+``test_verify_test_coverage``): its folder ``patches/<name>/`` holds the
+declaration, a reproduction (``scenario.py``) and the judge (``proof.py``) the
+tests and ``zeroshim prove`` share; a patch whose failure prints an error has
+real logs (``logs/*.log``) that ``zeroshim explain`` attributes to it and to no
+other patch; its test is ``tests/test_<name>.py`` and uses that judge; the
+README's generated block is current; CHANGELOG.md mentions it.
+
+Adding a patch is one folder, one line in ``patches/__init__.py``, one test
+file and one CHANGELOG line; this test names whichever is missing."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import zeroshim
+from zeroshim import _docs, _launch
+
+pytestmark = pytest.mark.once
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+PATCHES = Path(_launch.patches_dir())  # the installed copy (the wheel must ship every piece)
+NAMES = zeroshim.patch_names()
+
+
+def test_the_registry_lists_every_folder_and_nothing_else():
+    folders = sorted(p.parent.name for p in PATCHES.glob("*/__init__.py"))
+    assert folders == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_folder_holds_declaration_scenario_and_proof(name):
+    folder = PATCHES / name
+    assert zeroshim.get_patch(name).name == name
+    assert (folder / "scenario.py").is_file(), f"{name}: no reproduction (scenario.py)"
+    proof = folder / "proof.py"
+    assert proof.is_file(), f"{name}: no judge (proof.py)"
+    defined = {n.name for n in ast.parse(proof.read_text()).body if isinstance(n, ast.FunctionDef)}
+    assert {"judge", "prove"} <= defined, f"{name}/proof.py must define judge() and prove()"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_docstring_has_every_section(name):
+    parts = _docs.sections(zeroshim.get_patch(name).doc)
+    missing = [s for s in ("Symptom", "Cause", "Affected versions", "Flag", "Fix", "Undo") if not parts.get(s)]
+    assert not missing, f"{name}: docstring lacks {missing}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_its_test_file_uses_the_shared_judge(name):
+    test = TESTS / f"test_{name}.py"
+    assert test.is_file(), f"{name}: no tests/test_{name}.py"
+    assert re.search(rf"load_proof\(\s*\"{name}\"\s*\)", test.read_text()), \
+        f"tests/test_{name}.py does not run the judge of patches/{name}/proof.py"
+
+
+def _matching(text: str) -> set:
+    from zeroshim import _cli
+
+    return {f["patch"] for f in _cli.explain_text(text)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_real_logs_match_its_own_signatures_and_no_other(name):
+    patch = zeroshim.get_patch(name)
+    logs = sorted((PATCHES / name / "logs").glob("*.log"))
+    if not patch.signatures:
+        assert not logs, f"{name} has logs but no signature to match them"
+        return  # a silent failure (wrong numbers, a hang, memory): nothing printed to recognise
+    assert logs, f"{name} declares error signatures but ships no real log (patches/{name}/logs/*.log)"
+    for log in logs:
+        assert _matching(log.read_text(errors="replace")) == {name}, log.name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_changelog_mentions_it(name):
+    assert f"`{name}`" in (REPO / "CHANGELOG.md").read_text(), f"CHANGELOG.md never mentions `{name}`"
+
+
+def test_readme_block_is_generated_from_the_declarations():
+    readme = (REPO / "README.md").read_text()
+    assert _docs.replace_block(readme, _docs.render()) == readme, \
+        "README.md's patch block is stale: run `python -m zeroshim._docs README.md`"
+    for name in NAMES:
+        assert f"| [`{name}`](#{name}) |" in readme

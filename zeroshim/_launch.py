@@ -1,0 +1,119 @@
+"""The one launcher of the reproductions: ``zeroshim prove``, the test suite and
+the benchmarks run a patch's scenario (``patches/<name>/scenario*.py``, shipped
+as ``zeroshim/patches/<name>/``) on N CPU ranks under torchrun with it.
+
+Each launch gets a free port, an environment without zeroshim's flags (the
+scenario decides itself when zeroshim is active), the scenario helpers
+(``zeroshim/scenarios/common.py``) on ``PYTHONPATH``, and the shared-memory
+buffers DeepSpeed's CPU comm op leaves behind are deleted afterwards.  Imports
+nothing heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+#: the scenario helpers (``common.py``), put on each rank's PYTHONPATH
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
+
+
+def patches_dir() -> str:
+    """Where the patch folders are: ``zeroshim/patches`` once installed, the
+    repository's ``patches/`` in a source checkout."""
+    from ._core import _patches_package
+
+    return os.path.dirname(os.path.abspath(_patches_package().__file__))
+
+
+def scenario(target: str) -> str:
+    """The script of ``target``: a patch name (its ``scenario.py``), or
+    ``<patch>/<script>.py`` for another scenario in that patch's folder."""
+    name, _, script = target.partition("/")
+    path = os.path.join(patches_dir(), name, script or "scenario.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no scenario {target!r} (looked for {path})")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def remove_shm_buffers(port: int) -> None:
+    """Delete the shared-memory all-reduce buffers of the DeepSpeed run that used
+    ``port``.  DeepSpeed's CPU comm op creates one per rank
+    (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, 66 MiB on 0.19)
+    and never unlinks it (deepspeedai/DeepSpeed#4115): hundreds of launches
+    would fill /dev/shm, and ranks then die of SIGKILL/SIGBUS."""
+    for path in glob.glob(f"/dev/shm/deepspeed_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def master_port():
+    """A free port for one DeepSpeed launch; its /dev/shm buffers are deleted
+    when the block ends."""
+    port = free_port()
+    try:
+        yield port
+    finally:
+        remove_shm_buffers(port)
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment without zeroshim's flags (nor the variable
+    ``zeroshim-run`` carries them in), offline, one thread per rank, the
+    scenario helpers on PYTHONPATH; plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_") and k != "PYTHON_ZEROSHIM_ENV"}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
+    env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), HELPERS]))
+    return env
+
+
+def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = None,
+           launcher: "list | None" = None, timeout: float = 900) -> dict:
+    """Run scenario ``target`` (see :func:`scenario`) on ``nproc`` ranks with
+    ``--out out`` and ``args``; returns ``{"returncode", "log", "ranks"}`` where
+    ``ranks[r]`` is what rank r wrote to ``out/rank<r>.json`` (None if nothing).
+    A launch that runs past ``timeout`` returns code -1 with what it printed.
+    The output is also kept in ``out/log.txt``."""
+    os.makedirs(out, exist_ok=True)
+    env = dict(env if env is not None else clean_env())
+    # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
+    # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
+    env.setdefault("LOCAL_SIZE", str(nproc))
+    with master_port() as port:
+        cmd = list(launcher or []) + [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=timeout)
+            code, log = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            output = exc.stdout or ""
+            code, log = -1, output.decode(errors="replace") if isinstance(output, bytes) else output
+    with open(os.path.join(out, "log.txt"), "w") as fh:
+        fh.write(log)
+    ranks = []
+    for rank in range(nproc):
+        path = os.path.join(out, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                ranks.append(json.load(fh))
+        else:
+            ranks.append(None)
+    return {"returncode": code, "log": log, "ranks": ranks}
