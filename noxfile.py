@@ -10,6 +10,8 @@
                             the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
                             zeroshim in every rank (not in CI: about an hour per release)
+    nox -s packaging        build the sdist and wheel, check the wheel's files, install it beside
+                            old pins (DeepSpeed 0.12.3, transformers 4.34.0): nothing may move
 
 Each session is its own virtual environment with torch 2.13.0, CPU build.  On
 the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
@@ -19,14 +21,16 @@ index, or ``NOX_TORCH`` to test another torch.  The pins live here, never in
 pyproject.toml.
 """
 
+import glob
 import os
+import zipfile
 
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = not os.environ.get("CI")
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests "clients(framework='accelerate')"`)
+nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests "clients(framework='accelerate')" packaging`)
 
 TORCH = os.environ.get("NOX_TORCH", "torch==2.13.0")
 TORCH_INDEX_URL = os.environ.get("NOX_TORCH_INDEX_URL")  # e.g. https://download.pytorch.org/whl/cpu
@@ -174,3 +178,106 @@ def deepspeed_suite(session, release):
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "tests/dsunit/run.py", "--release", release,
                 "--out", os.path.join(session.virtualenv.location, "results"), *session.posargs, env=_env(session))
+
+
+# `nox -s packaging`: the pins a user may hold that zeroshim must install beside without moving
+# anything.  Both are below what 0.1.0 required (deepspeed>=0.14, transformers>=4.35), where
+# `pip install deepspeed==0.12.3 transformers==4.34.0 zeroshim` ended in ResolutionImpossible.
+# DeepSpeed 0.12.3 builds from its sdist with DS_BUILD_OPS=0 on torch 2.13.0; it does not import
+# there without zeroshim (torch_elastic_compat), so this also shows doctor working beside a
+# DeepSpeed that is broken as installed.
+PACKAGING_PINS = ["deepspeed==0.12.3", "transformers==4.34.0"]
+# Added by installing the wheel where absent; anything else that appears, disappears or changes
+# version fails the session.
+PACKAGING_DEPENDENCIES = {"wrapt", "packaging"}
+# Build output that means the packaging configuration is out of date or ambiguous.
+BUILD_WARNINGS = ("Deprecat", "Package would be ignored", "is absent from the `packages` configuration")
+
+
+def _frozen(session) -> dict:
+    out = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
+    return dict(line.split("==", 1) for line in out.splitlines() if "==" in line)
+
+
+def _expected_wheel_files() -> set:
+    """What the wheel must hold from patches/ (as zeroshim/patches/): every module, and every
+    patch folder's logs/*.log, derived from the tree (no list of patch names)."""
+    expected = set()
+    for path in glob.glob("patches/**/*.py", recursive=True) + glob.glob("patches/**/logs/*.log", recursive=True):
+        if "__pycache__" not in path:
+            expected.add("zeroshim/" + path.replace(os.sep, "/"))
+    return expected
+
+
+def _check_wheel(session, wheel: str) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    problems = []
+    if not any(n.endswith(".dist-info/licenses/LICENSE") for n in names):
+        problems.append("no LICENSE in the wheel's .dist-info/licenses/")
+    top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    if top != {"zeroshim"}:
+        problems.append(f"top-level entries other than zeroshim: {sorted(top - {'zeroshim'})}")
+    problems += [f"shipped: {n}" for n in sorted(names) if "/tests/" in f"/{n}" or "__pycache__" in n]
+    shipped = {n for n in names if n.startswith("zeroshim/patches/")}
+    problems += [f"missing from the wheel: {n}" for n in sorted(_expected_wheel_files() - shipped)]
+    problems += [f"in the wheel but not in patches/: {n}" for n in sorted(shipped - _expected_wheel_files())]
+    for folder in sorted(glob.glob("patches/*/__init__.py")):  # a patch folder: its module, reproduction, judge
+        name = folder.split(os.sep)[1]
+        for part in ("__init__.py", "scenario.py", "proof.py"):
+            if f"zeroshim/patches/{name}/{part}" not in names:
+                problems.append(f"patch {name} has no {part} in the wheel")
+    if "zeroshim/scenarios/common.py" not in names:
+        problems.append("zeroshim/scenarios/common.py is not in the wheel")
+    if problems:
+        session.error("the wheel is wrong:\n  " + "\n  ".join(problems))
+    session.log(f"{os.path.basename(wheel)}: {len(names)} files; LICENSE, patches, scenarios/common.py present; no tests")
+
+
+@nox.session
+def packaging(session):
+    """The released artefacts: sdist and wheel (built from the sdist, as PyPI users get it; no
+    setuptools warnings), the wheel's contents, and `pip install` of it beside old pins of what
+    zeroshim patches: nothing but zeroshim (and wrapt/packaging where absent) may appear or move;
+    then `import zeroshim` (importing none of torch/deepspeed/transformers), `zeroshim doctor`,
+    and `zeroshim explain` on every shipped log."""
+    dist = os.path.join(session.virtualenv.location, "dist")
+    for old in glob.glob(os.path.join(dist, "*")):
+        os.remove(old)
+    # `build` in a side environment, so the session's own stays what a user's would be.
+    builder = os.path.join(session.virtualenv.location, "builder")
+    builder_python = os.path.join(builder, "bin", "python")
+    if not os.path.exists(builder_python):
+        session.run("python", "-m", "venv", builder)
+    session.run(builder_python, "-m", "pip", "install", "-q", "build", external=True)
+    log = session.run(builder_python, "-m", "build", "--outdir", dist, ".", external=True, silent=True)
+    warnings = [line for line in log.splitlines() if any(w in line for w in BUILD_WARNINGS)]
+    if warnings:
+        session.error("the build warned:\n" + "\n".join(warnings))
+    (wheel,) = glob.glob(os.path.join(dist, "*.whl"))
+    _check_wheel(session, wheel)
+
+    _install_torch(session)
+    session.install(*PACKAGING_PINS, env={"DS_BUILD_OPS": "0"})
+    before = _frozen(session)
+    session.install(wheel)
+    after = _frozen(session)
+    moved = [f"{name}: {before.get(name, 'absent')} -> {after.get(name, 'absent')}"
+             for name in sorted(set(before) | set(after))
+             if before.get(name) != after.get(name)
+             and not (name == "zeroshim" or (name in PACKAGING_DEPENDENCIES and name not in before))]
+    if moved:
+        session.error("installing zeroshim moved the environment:\n  " + "\n  ".join(moved))
+    session.log("installed beside " + ", ".join(f"{p}=={before[p]}" for p in ("torch", "deepspeed", "transformers"))
+                + "; added: " + ", ".join(f"{n}=={after[n]}" for n in sorted(set(after) - set(before))))
+
+    # -I: the installed copy, not the source tree in the current directory
+    session.run("python", "-I", "-c", "import sys, zeroshim; "
+                "loaded = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]; "
+                "assert not loaded, loaded; assert 'site-packages' in zeroshim.__file__, zeroshim.__file__; "
+                "print('import zeroshim', zeroshim.__version__, 'from', zeroshim.__file__)")
+    session.run("zeroshim", "doctor", env=_env(session))
+    logs = session.run("python", "-I", "-c", "import glob, os, zeroshim.patches as p; print(*sorted(glob.glob("
+                       "os.path.join(os.path.dirname(p.__file__), '*', 'logs', '*.log'))), sep=chr(10))",
+                       silent=True).split()
+    for path in logs:  # each is a real failure a patch's signatures must recognise (exit status 0)
+        session.run("zeroshim", "explain", path, env=_env(session))

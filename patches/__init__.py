@@ -26,4 +26,5 @@ PATCH_MODULES = (
     "zero3_moe_leaf",
     "offload_worker_fork",
     "epoch_boundary",
+    "zero3_hf_config_weakref",
 )

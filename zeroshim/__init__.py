@@ -28,7 +28,7 @@ from ._core import (
 )
 from ._flags import configure_logging as _configure_logging
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "APPLIED", "DISABLED", "FAILED", "PENDING", "SKIPPED", "Change", "Patch", "PatchStatus",
