@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from corekit import registry, target  # noqa: F401  (fixtures of the core's unit tests)
 from harness import ONCE_ENV
 
 

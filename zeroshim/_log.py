@@ -95,6 +95,17 @@ def warning(msg: str, *args, scope: str = NODE, once: "object" = None, exc_info=
     return emit(logging.WARNING, scope, msg, *args, once=once, exc_info=exc_info)
 
 
+def acted(patch: str, what: str, why: str, *args) -> bool:
+    """The one line a patch logs the first time it changes what the user's code
+    does (as transformers' ``warning_once`` when it overrides a setting): WARNING,
+    global rank 0 only, once per process: what it changed, why, and the flag
+    that turns it off.  ``what``/``why`` are %-format strings taking ``args``
+    in order.  Patches that only add a missing name or fix a crash log at INFO."""
+    flag = "ZEROSHIM_" + patch.upper()
+    return emit(logging.WARNING, RANK0, f"zeroshim[%s]: {what}, because {why}. %s=off turns this off.",
+                patch, *args, flag, once=(patch, "acted"))
+
+
 def forget(key: object) -> None:
     """Let a ``once`` message with this key be logged again (after an undo)."""
     with _seen_lock:

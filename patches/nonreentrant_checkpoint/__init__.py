@@ -51,7 +51,8 @@ Fix
     whose forward is running (a ZeRO-0 engine's forward converts nothing, even
     with a ZeRO-3 engine alive elsewhere in the process); outside any engine's
     forward, the highest stage of a live engine.  Without a ZeRO engine,
-    nothing changes.  The switch is logged once (INFO, rank 0).
+    nothing changes.  The switch is said once, at WARNING on global rank 0 (what, why,
+    the flag): it changes what the user's code does.
 
     Numerics: the recomputation is the same forward; the run matches a
     ``use_reentrant=False`` run exactly (tests compare losses bit for bit).
@@ -205,10 +206,10 @@ def _reentrant_apply(wrapped, instance, args, kwargs):
                 elif not _keep_reentrant(stage, args[0]):
                     reroute = _torch["checkpoint"]
                     stats["converted"] += 1
-                    _log.info("zeroshim[%s]: running reentrant activation checkpointing as non-reentrant "
-                              "(use_reentrant=False) because a DeepSpeed ZeRO stage %d engine is in use: reentrant "
-                              "recomputation of a module that runs more than once per step makes ZeRO reduce its "
-                              "gradients twice", NAME, stage, once=(NAME, "announce"))
+                    _log.acted(NAME, "running reentrant activation checkpointing as non-reentrant "
+                               "(use_reentrant=False) while a DeepSpeed ZeRO stage %d engine is in use",
+                               "reentrant recomputation of a module that runs more than once per step makes ZeRO "
+                               "reduce its gradients twice", stage)
     if reroute is None:
         return wrapped(*args, **kwargs)
     function, preserve_rng_state, *inputs = args
@@ -377,7 +378,7 @@ def check_config(cfg, affected: bool) -> list:
 
 
 def _forget() -> None:
-    _log.forget((NAME, "announce"))
+    _log.forget((NAME, "acted"))
     _log.forget((NAME, "dependency"))
 
 

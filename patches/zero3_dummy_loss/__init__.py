@@ -60,7 +60,8 @@ Fix
     (so a weight that is zero only at run time counts, and the same term with
     a nonzero weight is left to fail as it does upstream: it is wrong under
     ZeRO-3).  ``engine.backward(loss)`` and ``engine.backward(loss=loss)`` are
-    both handled.  The number of stripped terms is logged once per engine.
+    both handled.  The first cut is said once per process, at WARNING on global
+    rank 0 (how many terms, why, the flag).
 
     The loss *value*: such a term is evaluated on whatever the parameters are
     when it is built; on an empty placeholder ``p.sum()`` gives 0 but
@@ -224,9 +225,9 @@ def _engine_backward(wrapped, instance, args, kwargs):
             stats["backward_calls_walked"] += 1
             if cut and instance not in _announced:
                 _announced.add(instance)
-                _log.info("zeroshim[%s]: stripped %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters "
-                          "from backward (they contribute nothing; under ZeRO-3 they crash backward). Logged once "
-                          "per engine.", NAME, cut)
+                _log.acted(NAME, "cut %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters out of "
+                                 "backward (their gradient is zero)", "under ZeRO-3 such terms crash backward (the "
+                                 "parameters are empty placeholders outside their module's forward)", cut)
                 if loss.isnan().any():  # one check per engine, only where terms were cut
                     stats["nan_loss_seen"] += 1
                     _log.warning("zeroshim[%s]: the loss VALUE is NaN, while its gradients are exact: a "
@@ -266,6 +267,7 @@ def patch_stage3(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _cut_params.clear()
+    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

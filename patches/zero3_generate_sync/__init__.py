@@ -67,9 +67,9 @@ def _turn_on(model) -> bool:
     with guard(NAME):
         if is_active(NAME) and _needs_sync(model):
             stats["synced"] += 1
-            _log.info("zeroshim[%s]: generate() under ZeRO-3 on several ranks without synced_gpus: running it with "
-                      "synced_gpus=True so that ranks which finish first keep gathering parameters for the others",
-                      NAME, once=(NAME, "info"))
+            _log.acted(NAME, "running generate() with synced_gpus=True (it was not given) under ZeRO-3 on several "
+                             "ranks", "a rank that finishes first must keep gathering parameters for the others, or "
+                             "they hang; pass synced_gpus explicitly to decide yourself")
             return True
     return False
 

@@ -43,7 +43,8 @@ Fix
     per-expert modules (the form that skips experts; fused experts are left
     alone) gets ``_z3_leaf = True``.  A user's own choice wins: nothing is
     marked if any module of the model already is a leaf (``set_z3_leaf_modules``)
-    or the config names ``zero_optimization.leaf_module``.  Logged once (rank 0).
+    or the config names ``zero_optimization.leaf_module``.  Said once, at WARNING
+    on global rank 0 (what, why, the flag).
     Must act before the engine is built; an engine built earlier is left as it
     is (its per-expert gradient hooks are already installed).
 
@@ -97,9 +98,9 @@ def _configure(wrapped, instance, args, kwargs):
                 module._z3_leaf = True
             stats["marked"] += len(marked)
             if marked:
-                _log.info("zeroshim[%s]: marked %d MoE block(s) (%s) as ZeRO-3 leaf modules: gathered whole, so "
-                          "ranks that route tokens to different experts do not hang", NAME, len(marked),
-                          ", ".join(sorted({type(m).__name__ for m in marked})), once=(NAME, "info"))
+                _log.acted(NAME, "marked %d MoE block(s) (%s) as ZeRO-3 leaf modules (each gathered whole at its "
+                                 "entry)", "ranks that route tokens to different experts otherwise gather different "
+                                 "parameters and hang", len(marked), ", ".join(sorted({type(m).__name__ for m in marked})))
     return wrapped(*args, **kwargs)
 
 
