@@ -27,4 +27,5 @@ PATCH_MODULES = (
     "offload_worker_fork",
     "epoch_boundary",
     "zero3_hf_config_weakref",
+    "scheduler_dropped_groups",
 )

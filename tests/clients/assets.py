@@ -54,10 +54,8 @@ def report(result: dict, out: str) -> None:
     if "zeroshim" in sys.modules:
         zeroshim = sys.modules["zeroshim"]
         result["applied"] = sorted(n for n, s in zeroshim.status().items() if s.state == "applied")
-        from zeroshim.patches import nonreentrant_checkpoint, zero3_frozen_recompute
-
-        result["acted"] = {"nonreentrant_checkpoint": dict(nonreentrant_checkpoint.stats),
-                           "zero3_frozen_recompute": dict(zero3_frozen_recompute.stats)}
+        result["acted"] = {name: zeroshim.stats(name) for name in
+                           ("nonreentrant_checkpoint", "zero3_frozen_recompute", "scheduler_dropped_groups")}
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump(result, fh)
