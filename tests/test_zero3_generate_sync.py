@@ -38,3 +38,17 @@ def test_proof(runs):
     zeroshim, the reference with it."""
     without, with_, proven = load_proof("zero3_generate_sync").judge(runs)
     assert proven, (without, with_)
+
+
+def test_an_explicit_false_is_honoured(runs):
+    for rank in runs["with"]:
+        assert rank["explicit_false"]["synced"] == 0  # zeroshim did not turn it on
+        assert len(rank["explicit_false"]["tokens"]) == 4 + 3
+
+
+def test_never_adds_a_collective_over_ranks_that_do_not_generate(runs):
+    # a model partitioned over a sub-group (rank 0 alone): transformers' synced_gpus would all-reduce over
+    # both ranks, one of which does not generate; a model over every rank is synced
+    rank0, rank1 = runs["with"]
+    assert rank0["subgroup"]["subgroup_size"] == 1 and rank0["subgroup"]["subgroup_synced"] is False
+    assert rank0["subgroup"]["world_synced"] is True and rank1["subgroup"]["world_synced"] is True

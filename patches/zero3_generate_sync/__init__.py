@@ -34,8 +34,12 @@ Fix
     from 4.57, else ``generate``): when the caller passed no ``synced_gpus``,
     the model has ZeRO-3 partitioned parameters (``ds_id``) and
     ``torch.distributed`` is initialised with more than one rank, the call
-    gets ``synced_gpus=True``.  A caller's explicit value (True or False)
-    always wins, and nothing changes where transformers already turns it on.
+    gets ``synced_gpus=True`` -- only where the parameters are partitioned
+    over every rank of the job: transformers' ``synced_gpus`` all-reduces over
+    the world group, so a model partitioned over a sub-group (RLHF: an actor on
+    some ranks) is left alone and a WARNING says why.  A caller's explicit
+    value (True or False) always wins, and nothing changes where transformers
+    already turns it on.  Said once at WARNING on global rank 0 when it acts.
     Numerics: synced ranks run extra forwards on finished sequences and
     discard them; the tokens are those of a run without ZeRO (tested).
 
@@ -51,16 +55,33 @@ from zeroshim._patcher import Patcher, guard, require_attr, require_params
 
 NAME = "zero3_generate_sync"
 #: generate calls given synced_gpus=True (introspection and tests)
-stats = {"synced": 0}
+stats = {"synced": 0, "left_subgroup": 0}
 _where: dict = {}
 
 
 def _needs_sync(model) -> bool:
+    """ZeRO-3 partitioned over every rank of the job: then a rank that finishes first must keep
+    gathering.  transformers' ``synced_gpus`` all-reduces its "finished" flag over the WORLD group, so
+    where the parameters are partitioned over a sub-group (an RLHF actor on some ranks, others doing
+    something else), turning it on would add a collective over ranks that do not generate: left alone,
+    and said once."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    param = next((p for p in model.parameters() if hasattr(p, "ds_id")), None)
+    if param is None:
+        return False
+    group = getattr(param, "ds_process_group", None)
+    world, size = dist.get_world_size(), (dist.get_world_size(group) if group is not None else None)
+    if size is not None and size != world:
+        stats["left_subgroup"] += 1
+        _log.warning("zeroshim[%s]: not turning synced_gpus on for generate(): the model is partitioned over %d of "
+                     "the %d ranks, and transformers' synced_gpus all-reduces over all of them (the others would "
+                     "hang it).  If the ranks of the model can stop at different lengths, pass "
+                     "synced_gpus=True only where every rank generates", NAME, size, world, once=(NAME, "subgroup"))
+        return False
+    return True
 
 
 def _turn_on(model) -> bool:

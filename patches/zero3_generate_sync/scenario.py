@@ -51,9 +51,41 @@ def main():
         results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
     results["seconds"] = time.time() - start
     if "zeroshim" in sys.modules:
-        results["synced"] = sys.modules["zeroshim"].stats("zero3_generate_sync")["synced"]
-        results["status"] = sys.modules["zeroshim"].status()["zero3_generate_sync"].as_dict()
+        zeroshim = sys.modules["zeroshim"]
+        results["synced"] = zeroshim.stats("zero3_generate_sync")["synced"]
+        results["status"] = zeroshim.status()["zero3_generate_sync"].as_dict()
+        # an explicit synced_gpus=False is the caller's: honoured (same lengths here, so it finishes)
+        same = dict(kw, max_new_tokens=3)
+        with torch.no_grad():
+            tokens = engine.module.generate(prompt, synced_gpus=False, **same)[0].tolist()
+        results["explicit_false"] = {"tokens": tokens,
+                                     "synced": zeroshim.stats("zero3_generate_sync")["synced"] - results["synced"]}
+        results["subgroup"] = subgroup_decision()
     end_hang_scenario(args, results, peers_may_hang=args.mode == "without")
+
+
+def subgroup_decision() -> dict:
+    """What the patch decides for a model ZeRO-3 partitions over a sub-group (rank 0 alone) and over
+    every rank: synced_gpus would all-reduce over all ranks, so only the latter may be synced."""
+    import torch.distributed as dist
+
+    from zeroshim.patches.zero3_generate_sync import _needs_sync
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+    config = ds_config(3, micro_batch=1, bf16=False)
+    sub = dist.new_group([0])  # every rank creates the group; only rank 0 is in it
+    out = {}
+    if dist.get_rank() == 0:
+        with deepspeed.zero.Init(data_parallel_group=sub, config_dict_or_path=config):
+            on_sub = model()
+        out["subgroup_size"] = dist.get_world_size(getattr(next(on_sub.parameters()), "ds_process_group", None))
+        out["subgroup_synced"] = _needs_sync(on_sub)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        on_world = model()
+    out["world_synced"] = _needs_sync(on_world)
+    return out
 
 
 if __name__ == "__main__":
