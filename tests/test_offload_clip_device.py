@@ -75,7 +75,10 @@ def test_gpu_zero3_offload_clipping(tmp_path):
 
 
 def test_proof(cpu):
-    """The judge `zeroshim prove` uses (patches/offload_clip_device/proof.py) on this launch: the bug without
-    zeroshim, the reference with it; where not affected, nothing to prove."""
+    """The judge `zeroshim prove` uses (patches/offload_clip_device/proof.py) on this launch.  On CPU its
+    form is a simulation (the norm on a simulated CUDA device reaches the real method), which shows the
+    mismatch on any release: `prove` runs it only where the gate applies, and so does this test."""
+    if not AFFECTED:
+        pytest.skip("not affected here: zeroshim prove does not run this proof (the CPU form simulates the device)")
     without, with_, proven = load_proof("offload_clip_device").judge(cpu)
-    assert proven == AFFECTED, (without, with_)
+    assert proven, (without, with_)
