@@ -28,4 +28,5 @@ PATCH_MODULES = (
     "epoch_boundary",
     "zero3_hf_config_weakref",
     "scheduler_dropped_groups",
+    "zero3_peft_save",
 )

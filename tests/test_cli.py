@@ -164,6 +164,9 @@ def test_explain_real_logs(name, patch):
     expected = EXPECTED[patch]
     if expected == "would apply":
         assert "zeroshim would apply it here" in text and "zeroshim-run" in text
+    elif "which this bug affects, but zeroshim would not apply it to the versions installed here" in text:
+        # the log names the DeepSpeed it came from, one the bug affects: explain says so and where to look
+        assert "run `zeroshim doctor` where the log was made" in text
     else:
         assert "would not apply it to the installed versions" in text and "has another cause" in text
 

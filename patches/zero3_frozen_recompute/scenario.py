@@ -30,7 +30,6 @@ debugging).
 
 import argparse
 import sys
-import zlib
 
 import torch
 
@@ -38,10 +37,9 @@ from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, 
 
 deepspeed = import_deepspeed()
 
+from tiny_lora import MICRO_BATCH, batch, build_model, fill_shards  # noqa: E402  (after DeepSpeed)
+
 STEPS = 3
-SEQ = 16
-MICRO_BATCH = 2
-VOCAB = 64
 
 
 def lora_ds_config(**zero) -> dict:
@@ -49,64 +47,6 @@ def lora_ds_config(**zero) -> dict:
     zero = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0,
             **zero}
     return ds_config(3, micro_batch=MICRO_BATCH, **zero)
-
-
-def _values(name: str, shape, scale: float = 0.05) -> torch.Tensor:
-    """Parameter values that depend only on the parameter's name and shape, so
-    that every transformers/peft/DeepSpeed version starts from the same model."""
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    return scale * torch.randn(shape, generator=gen)
-
-
-def fill_shards(model, scale: float = 0.05) -> None:
-    """Set every ZeRO-3 parameter (built under ``zero.Init``) to :func:`_values`
-    by writing each rank's own shard, without a collective.  (Writing it through
-    ``GatheredParameters(modifier_rank=0)`` instead gave both ranks a different
-    step-0 loss in 2 of about 16 two-rank runs of this scenario on the 2-core
-    CI machine, in runs without zeroshim too; not investigated further.)"""
-    rank = torch.distributed.get_rank()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            full = _values(name, p.ds_shape, scale).flatten()
-            shard = p.ds_tensor.numel()
-            start = rank * shard
-            valid = max(0, min(shard, p.ds_numel - start))
-            p.ds_tensor.flatten()[:valid].copy_(full[start:start + valid])
-
-
-def build_model(config: dict, layers: int = 2, hidden: int = 32, zero_init: bool = True,
-                targets=("q_proj", "v_proj")):
-    """The LoRA model (peft), every parameter set from :func:`_values`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
-    cfg._attn_implementation = "eager"
-    if zero_init:
-        with deepspeed.zero.Init(config_dict_or_path=config):
-            model = LlamaForCausalLM(cfg)
-        fill_shards(model)
-    else:
-        model = LlamaForCausalLM(cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(_values(name, p.shape))
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
-                                             lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad:  # lora_A/lora_B (lora_B nonzero so both get gradients at step 0)
-                p.copy_(_values(name.replace(".default", ""), p.shape, scale=0.1))
-    return model
-
-
-def batch(step: int, rank: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=gen)
 
 
 def left_gathered(model) -> int:

@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from common import attempt, end, init_distributed, train_with_trainer, trainer_ds_config, versions
-from scenario import SEQ, VOCAB, build_model
+from tiny_lora import SEQ, VOCAB, build_model
 
 
 class Tokens(torch.utils.data.Dataset):

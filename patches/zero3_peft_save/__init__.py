@@ -1,0 +1,340 @@
+"""Save peft adapters with their full tensors under ZeRO-3, or refuse loudly.
+
+Symptom
+    A LoRA (any peft) adapter trained under DeepSpeed ZeRO-3 is saved without
+    its weights, and nothing fails until the adapter is loaded or used:
+
+    * HF Trainer (transformers < 5.0), ``stage3_gather_16bit_weights_on_model_save``
+      false (DeepSpeed's default): ``trainer.save_model()`` (and every
+      checkpoint ``save_strategy`` writes) leaves ``adapter_model.safetensors``
+      with no tensors at all; the same run under ZeRO-2 saves every tensor.
+      Reports: trl #4416, peft #2892, DeepSpeed #7900.
+    * A custom loop around ``deepspeed.initialize``: ``model.save_pretrained(dir)``
+      or ``get_peft_model_state_dict(model)`` returns and writes every
+      partitioned adapter tensor as a ``torch.Size([0])`` placeholder, on
+      every rank and on rank 0 alone.  peft 0.21 adds a ``PeftWarning``
+      ("LoRA tensor(s) have invalid shape ... shards were not gathered") and
+      still writes them.  Reports: accelerate #3508, peft #2500, #2450
+      (``modules_to_save``), OpenRLHF #651.
+
+Cause
+    Under ZeRO-3 each parameter's ``data`` is an empty placeholder; its shard
+    is in ``ds_tensor`` and the whole tensor exists only inside a gather that
+    every rank joins.  transformers' ``Trainer.save_model`` asks accelerate for
+    the 16-bit consolidated state dict; with the 16-bit gather off that raises
+    ``ValueError``, and transformers falls back to ``_save(state_dict={})``
+    ("stage3_gather_16bit_weights_on_model_save=false. Saving the full
+    checkpoint instead") and then removes the empty ``model.safetensors`` /
+    ``pytorch_model.bin`` it wrote, but not the empty
+    ``adapter_model.safetensors`` a ``PeftModel`` writes from that dictionary.
+    peft never gathers: ``get_peft_model_state_dict`` reads
+    ``model.state_dict()``, i.e. the placeholders.  LoRA tensors smaller than
+    ``stage3_param_persistence_threshold`` (default 1e5 elements) are not
+    partitioned and are saved whole; HF Trainer's ``"auto"`` threshold is
+    10 x hidden size.
+
+Affected versions
+    Trainer: transformers < 5.0.0 with any DeepSpeed and peft.  Read from the
+    released wheels: 4.49.0 and 4.57.6 have the ``_save(state_dict={})``
+    fallback for every model; 5.0.0 (and 5.23.0) gather the trainable
+    parameters of a peft model under ZeRO-3 themselves
+    (``_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)``,
+    huggingface/transformers #41416), so this part is not applied there (the
+    target's source decides).  Custom loops: every peft release (0.14.0,
+    0.17.1, 0.18.1, 0.20.0, 0.21.0, 0.21.2 read: none gathers; 0.21.0 added a
+    PeftWarning and still writes the placeholders).
+
+Flag
+    ``ZEROSHIM_ZERO3_PEFT_SAVE=auto|on|off`` (default ``auto``).
+
+Fix
+    * ``Trainer.save_model`` (transformers < 5): where DeepSpeed runs ZeRO-3
+      without the 16-bit gather and the model is a peft model, every rank
+      first gathers the trainable parameters (one module at a time,
+      ``GatheredParameters(..., modifier_rank=None)``) and the persistent
+      buffers, as transformers 5 does; the dictionary transformers then
+      passes to ``_save`` as ``{}`` on the saving process(es) is replaced by
+      it.  Everything else transformers does (its warning, the DeepSpeed
+      checkpoint it also writes) is unchanged.  Trainer calls ``save_model``
+      on every rank, so the gather is safe there.
+    * ``get_peft_model_state_dict`` (which ``PeftModel.save_pretrained`` calls
+      on every rank it runs on): when it would return ZeRO-3 placeholders (it
+      is probed with ``state_dict(keep_vars=True)``, no collective), the ranks
+      first meet in the process group's key-value store (no collective, so a
+      rank alone cannot hang in it).  If every rank of the job arrives within
+      ``RENDEZVOUS_TIMEOUT_S`` (60 s) with the same parameters to gather, the
+      call runs inside ``GatheredParameters(those parameters,
+      modifier_rank=None)`` and returns full tensors (copies).  Otherwise, a
+      rank saving alone (``if rank == 0: model.save_pretrained(...)``), it
+      raises ``RuntimeError`` naming the cause and the remedies instead of
+      writing placeholders: a gather on one rank would hang, and a
+      ``[0]``-shaped file is silent corruption.  A caller's own
+      ``state_dict=`` is never touched; nothing changes where the tensors are
+      whole (ZeRO-1/2, persistent parameters, inside the caller's own gather).
+    One WARNING on global rank 0 the first time a save is changed.
+
+Undo
+    ``zeroshim.unpatch("zero3_peft_save")`` restores the methods.
+"""
+
+from __future__ import annotations
+
+from zeroshim import _log
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require, require_attr, require_params
+
+NAME = "zero3_peft_save"
+#: seconds a rank saving a partitioned adapter waits for the other ranks before refusing
+RENDEZVOUS_TIMEOUT_S = 60.0
+#: what the patch did (introspection and tests): Trainer saves whose adapter was gathered,
+#: get_peft_model_state_dict calls gathered, calls refused (not every rank called)
+stats = {"trainer_gathered": 0, "gathered": 0, "refused": 0}
+_where: dict = {}
+_pending: dict = {}   # id(trainer) -> the gathered state dict, while its save_model runs
+
+
+def _acted(what: str) -> None:
+    _log.warning("zeroshim[%s]: %s; without zeroshim the adapter file would hold no tensors or [0]-shaped "
+                 "ZeRO-3 placeholders (ZEROSHIM_ZERO3_PEFT_SAVE=off turns this off)", NAME, what,
+                 scope=_log.RANK0, once=(NAME, "acted"))
+
+
+# -- HF Trainer (transformers < 5) ------------------------------------------------------
+def _trainer_drops_adapter(trainer) -> bool:
+    """Will this ``save_model`` fall back to ``_save(state_dict={})`` for a peft model?"""
+    if not getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    if getattr(getattr(trainer, "accelerator", None), "parallelism_config", None) is not None:
+        return False  # transformers saves through accelerate's N-D parallel branch instead
+    if (getattr(trainer.model, "_tp_size", 0) or 0) > 1:
+        return False
+    engine = getattr(trainer, "model_wrapped", None)
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    gather_on = getattr(engine, "zero_gather_16bit_weights_on_model_save", None)
+    if partitioned is None or gather_on is None or not partitioned() or gather_on():
+        return False
+    return bool(_where["is_peft_model"](trainer.model))
+
+
+def _gather_trainable(module, keep: bool) -> dict:
+    """The trainable parameters (full, on CPU) and persistent buffers of ``module``, keyed as in
+    its ``state_dict()``; gathered one module at a time on every rank, kept where ``keep``."""
+    import deepspeed
+
+    out = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        prefix = prefix + "." if prefix else ""
+        params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p is not None and p.requires_grad]
+        if params:
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                if keep:
+                    for n, p in params:
+                        out[prefix + n] = p.detach().cpu().clone()
+        if keep:
+            for n, buf in mod.named_buffers(recurse=False):
+                if buf is not None and n not in mod._non_persistent_buffers_set:
+                    out[prefix + n] = buf.detach().cpu().clone()
+    return out
+
+
+def _save_model(wrapped, instance, args, kwargs):
+    """Wraps ``Trainer.save_model`` (run on every rank)."""
+    gathered = None
+    with guard(NAME):
+        if is_active(NAME) and _trainer_drops_adapter(instance):
+            gathered = _gather_trainable(instance.model_wrapped.module, bool(instance.args.should_save))
+    if gathered is None:
+        return wrapped(*args, **kwargs)
+    _pending[id(instance)] = gathered
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _pending.pop(id(instance), None)
+
+
+def _save(wrapped, instance, args, kwargs):
+    """Wraps ``Trainer._save(output_dir=None, state_dict=None)``: the dummy ``{}`` becomes the gathered dict."""
+    with guard(NAME):
+        gathered = _pending.get(id(instance))
+        state_dict = args[1] if len(args) > 1 else kwargs.get("state_dict")
+        if gathered and isinstance(state_dict, dict) and not state_dict:
+            if len(args) > 1:
+                args = (args[0], gathered) + tuple(args[2:])
+            else:
+                kwargs = dict(kwargs, state_dict=gathered)
+            stats["trainer_gathered"] += 1
+            _acted(f"Trainer.save_model under ZeRO-3 without stage3_gather_16bit_weights_on_model_save: gathered "
+                   f"the peft model's {len(gathered)} trainable tensors on every rank and saved them")
+    return wrapped(*args, **kwargs)
+
+
+def patch_trainer(module, patcher: Patcher) -> None:
+    import inspect
+
+    cls = require_attr(module, "Trainer")
+    save_model = require_attr(cls, "save_model")
+    try:
+        source = inspect.getsource(inspect.unwrap(save_model))
+    except (OSError, TypeError):
+        source = ""
+    if "exclude_frozen_parameters=True" in source:  # transformers >= 5.0 (#41416) gathers peft models itself
+        _where["trainer"] = "Trainer.save_model gathers peft models under ZeRO-3 itself"
+        return
+    require("state_dict={}" in source, "Trainer.save_model has no _save(output_dir, state_dict={}) fallback")
+    require_params(require_attr(cls, "_save"), "output_dir", "state_dict")
+    _where["is_peft_model"] = getattr(module, "_is_peft_model", None) or _is_peft_model
+    patcher.wrap(cls, "save_model", _save_model)
+    patcher.wrap(cls, "_save", _save)
+    _where["trainer"] = "Trainer.save_model and Trainer._save wrapped"
+
+
+def _is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+# -- peft: get_peft_model_state_dict ----------------------------------------------------
+def _placeholders(wrapped, args, kwargs):
+    """The ZeRO-3 parameters (not gathered now) whose placeholders ``get_peft_model_state_dict``
+    would return, found by calling it on ``state_dict(keep_vars=True)`` (no collective); [] if none."""
+    import inspect
+    import warnings
+
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    model = bound.arguments.get("model")
+    if bound.arguments.get("state_dict") is not None or model is None:
+        return []  # the caller's own state dict is theirs
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return []
+    bound.arguments["state_dict"] = model.state_dict(keep_vars=True)  # the Parameters themselves
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe = wrapped(*bound.args, **bound.kwargs)
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    plan, seen = [], set()
+    for value in probe.values():
+        if getattr(value, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE and id(value) not in seen:
+            seen.add(id(value))
+            plan.append(value)
+    return plan
+
+
+def _rendezvous(plan) -> "str | None":
+    """Meet the other ranks in the default store; None when all arrived, else why not."""
+    import datetime
+    import zlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return "torch.distributed is not initialised"
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception as exc:  # no store to meet in (e.g. an MPI process group)
+        return f"no key-value store to meet the other ranks in ({exc})"
+    signature = zlib.crc32(repr([(p.ds_id, tuple(p.ds_shape)) for p in plan]).encode())
+    key = f"zeroshim/{NAME}/{_where.setdefault('seq', 0)}/{signature:08x}"
+    if store.add(key, 1) >= world:
+        store.set(key + "/all", "1")
+    else:
+        try:
+            store.wait([key + "/all"], datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        except Exception:  # DistStoreError: timed out
+            store.add(key, -1)  # withdraw, so that a later save on every rank still meets
+            return (f"rank {dist.get_rank()} waited {RENDEZVOUS_TIMEOUT_S:g} s, and not every one of the {world} "
+                    "ranks called it with the same parameters")
+    _where["seq"] += 1
+    return None
+
+
+def _refusal(plan, why: str) -> str:
+    return (f"zeroshim[{NAME}]: refusing to save a peft adapter under DeepSpeed ZeRO-3 with {len(plan)} tensor(s) "
+            f"that are partition placeholders of shape [0] here (the file would hold no weights): gathering them "
+            f"needs every rank, but {why}.  Call model.save_pretrained(dir, is_main_process=(rank == 0)) (or "
+            "get_peft_model_state_dict) on every rank, and zeroshim gathers the tensors; or gather them yourself "
+            "on every rank with deepspeed.zero.GatheredParameters(params, modifier_rank=None); or set "
+            "stage3_gather_16bit_weights_on_model_save: true and use engine.save_16bit_model().  "
+            "ZEROSHIM_ZERO3_PEFT_SAVE=off restores peft's own behaviour.")
+
+
+def _get_peft_model_state_dict(wrapped, instance, args, kwargs):
+    """Wraps ``peft.utils.save_and_load.get_peft_model_state_dict(model, state_dict=None, adapter_name=...)``."""
+    plan = None
+    with guard(NAME):
+        if is_active(NAME):
+            plan = _placeholders(wrapped, args, kwargs)
+    if not plan:
+        return wrapped(*args, **kwargs)
+    why = "?"
+    gather = None
+    with guard(NAME):
+        why = _rendezvous(plan)
+        if why is None:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(plan, modifier_rank=None)
+    if why is not None:
+        stats["refused"] += 1
+        raise RuntimeError(_refusal(plan, why))
+    if gather is None:  # zeroshim's own error (logged by guard): peft's behaviour
+        return wrapped(*args, **kwargs)
+    import torch
+
+    with gather:
+        result = wrapped(*args, **kwargs)
+        result = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in result.items()}
+    stats["gathered"] += 1
+    _acted(f"get_peft_model_state_dict/save_pretrained under ZeRO-3: gathered {len(plan)} partitioned adapter "
+           "tensor(s) on every rank so that they are saved whole")
+    return result
+
+
+def patch_save_and_load(module, patcher: Patcher) -> None:
+    func = require_attr(module, "get_peft_model_state_dict")
+    require_params(func, "model", "state_dict", "adapter_name")
+    patcher.wrap(module, "get_peft_model_state_dict", _get_peft_model_state_dict, rebind_aliases=True)
+
+
+def check_config(cfg, affected: bool) -> list:
+    """``zeroshim doctor --config``: ZeRO-3 without the 16-bit gather, where HF Trainer of this
+    transformers saves peft adapters empty."""
+    gather = cfg.zero.get("stage3_gather_16bit_weights_on_model_save", False)
+    if not affected or cfg.stage != 3 or gather is True or str(gather).lower() == "true":
+        return []
+    from zeroshim import _versions
+
+    transformers = _versions.installed("transformers")
+    if transformers is None or _versions.base_version(transformers) >= _versions.base_version("5.0.0"):
+        return []
+    return [{"level": "warning",
+             "message": "ZeRO-3 without stage3_gather_16bit_weights_on_model_save: HF Trainer of transformers "
+                        f"{transformers} (< 5.0) saves a peft adapter with no tensors (adapter_model.safetensors "
+                        "empty; nothing fails).  (A full model is saved as a DeepSpeed checkpoint only, with a "
+                        "warning; zeroshim leaves that as it is.)"}]
+
+
+def _reset() -> None:
+    _pending.clear()
+    _log.forget((NAME, "acted"))
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="peft adapter saved under ZeRO-3 without its weights: HF Trainer (transformers < 5) writes an empty "
+            "adapter_model.safetensors, save_pretrained/get_peft_model_state_dict write [0]-shaped placeholders",
+    signatures=(
+        (r"LoRA tensor\(s\) have invalid shape: .*:\(0,\)", r"DeepSpeed ZeRO-3 / FSDP shards\s+were not gathered"),
+        (r"stage3_gather_16bit_weights_on_model_save=false\. Saving the full checkpoint instead",
+         r"adapter_model\.safetensors|adapter_config\.json|trainable params: "),
+    ),
+    versions="HF Trainer: transformers < 5.0.0; custom loops (save_pretrained, get_peft_model_state_dict): every "
+             "peft (0.21 only warns), any DeepSpeed with ZeRO-3",
+    affects={"peft": "", "deepspeed": ""},
+    targets={"peft.utils.save_and_load": patch_save_and_load, "transformers.trainer": patch_trainer},
+    optional=("transformers.trainer",),
+    on_undo=_reset,
+    check_config=check_config,
+)

@@ -1,0 +1,183 @@
+"""Scenario for patch ``zero3_peft_save``: a tiny Llama with peft LoRA on q_proj/v_proj
+(the tiny LoRA Llama of ``zeroshim/scenarios/tiny_lora.py``, float32), 2 ranks, saved after training.
+
+* ``zero2``: HF Trainer, ZeRO-2, 3 steps, ``trainer.save_model(dir)``: the adapter a
+  ZeRO-2 user gets (values compared within float32 rounding: ZeRO-2 and ZeRO-3 do
+  not train bit for bit alike);
+* ``reference``: the same under ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save:
+  true`` (the DeepSpeed-sanctioned save), and a custom loop (``deepspeed.initialize``,
+  ZeRO-3, 2 steps) whose ``model.save_pretrained`` every rank calls inside
+  ``deepspeed.zero.GatheredParameters(trainable, modifier_rank=None)``;
+* ``without``: no zeroshim, ZeRO-3 with DeepSpeed's default (no 16-bit gather):
+  ``trainer.save_model``; in the custom loop ``save_pretrained`` on every rank, then
+  on rank 0 alone, then with the default ``stage3_param_persistence_threshold``
+  (LoRA tensors that small are not partitioned: saved whole, the not-affected case);
+* ``with``: the same with zeroshim (rank 0 alone: refused with zeroshim's error; the
+  rendezvous timeout is shortened to 5 s).
+
+Every saved ``adapter_model.safetensors`` is read back on every rank: its tensors'
+shapes, a SHA-256 of their float32 bytes (sorted by key) and their values.
+"""
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed
+
+deepspeed = import_deepspeed()
+from tiny_lora import SEQ, VOCAB, batch, build_model  # noqa: E402  (after DeepSpeed: old releases need it)
+
+NAME = "zero3_peft_save"
+ADAPTER = "adapter_model.safetensors"
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=16):
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(11))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def read_adapter(directory: str) -> dict:
+    """What a saved adapter holds, as every rank reads it back."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, ADAPTER)
+    if not os.path.exists(path):
+        return {"written": False}
+    tensors = load_file(path)
+    digest = hashlib.sha256()
+    values = {}
+    for key in sorted(tensors):
+        data = tensors[key].float().contiguous()
+        digest.update(key.encode() + data.numpy().tobytes())
+        values[key] = data.flatten().tolist()
+    return {"written": True, "shapes": {k: list(v.shape) for k, v in tensors.items()},
+            "sha256": digest.hexdigest(), "values": values}
+
+
+def trainer_save(stage: int, gather: bool) -> dict:
+    """HF Trainer, 3 steps, ``trainer.save_model(dir)`` on every rank (as Trainer users do)."""
+    from transformers import Trainer, TrainingArguments
+
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    if gather:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "zero_optimization": zero}
+    model = build_model(config, zero_init=False)
+    # Our own optimizer and scheduler (see trainer_lora.py: with Trainer's defaults, LoRA-only training
+    # under ZeRO-3 fails at the first step on torch 2.13, before anything is saved).
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = scratch if dist.get_rank() == 0 else None
+        shared = [out]
+        dist.broadcast_object_list(shared, src=0)
+        out = shared[0]
+        args = TrainingArguments(output_dir=os.path.join(out, "run"), per_device_train_batch_size=4, max_steps=3,
+                                 learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                                 use_cpu=True, seed=0, deepspeed=config, disable_tqdm=True,
+                                 dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
+        trainer.train()
+        trainer.save_model(os.path.join(out, "saved"))
+        dist.barrier()
+        saved = read_adapter(os.path.join(out, "saved"))
+        files = sorted(os.listdir(os.path.join(out, "saved")))
+        dist.barrier()  # rank 0's directory goes when it leaves the block
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"losses": losses, "files": files, **saved}
+
+
+def custom_engine(threshold_zero: bool = True):
+    """``deepspeed.initialize`` (ZeRO-3, float32), 2 optimizer steps."""
+    zero = {"stage3_param_persistence_threshold": 0} if threshold_zero else {"stage3_param_persistence_threshold": 100000}
+    config = ds_config(3, micro_batch=2, bf16=False, **zero)
+    model = build_model(config, zero_init=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    rank = dist.get_rank()
+    for step in range(2):
+        ids = batch(step, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+def shared_dir(scratch) -> str:
+    holder = [scratch]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def save_and_read(engine, where: str, ranks) -> dict:
+    """``engine.module.save_pretrained(where)`` on ``ranks`` (the others wait), read back by all."""
+    out = {}
+    if dist.get_rank() in ranks:
+        try:
+            engine.module.save_pretrained(where)
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+    dist.barrier()
+    out.update(read_adapter(where))
+    dist.barrier()
+    return out
+
+
+def custom_save(mode: str) -> dict:
+    """The custom loop's saves (``mode``: "reference", "without" or "with")."""
+    out = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        root = shared_dir(scratch)
+        engine = custom_engine()
+        if mode == "reference":
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                out["every_rank"] = save_and_read(engine, os.path.join(root, "every"), (0, 1))
+        else:
+            out["every_rank"] = save_and_read(engine, os.path.join(root, "every"), (0, 1))
+            out["rank0_only"] = save_and_read(engine, os.path.join(root, "rank0"), (0,))
+            # after a refused lone save, a save on every rank still meets and gathers
+            out["every_rank_again"] = save_and_read(engine, os.path.join(root, "again"), (0, 1))
+            persistent = custom_engine(threshold_zero=False)
+            out["persistent"] = save_and_read(persistent, os.path.join(root, "persistent"), (0, 1))
+    return out
+
+
+def run(mode: str) -> dict:
+    trainer = attempt(trainer_save, 3, mode == "reference")
+    custom = attempt(custom_save, mode)
+    return {"trainer": trainer, "custom": custom}
+
+
+def main():
+    out, results = begin()
+    results["zero2"] = attempt(trainer_save, 2, False)
+    results["reference"] = attempt(run, "reference")
+    results["without"] = attempt(run, "without")
+    zeroshim = enable_zeroshim()
+    from zeroshim.patches import zero3_peft_save as patch
+
+    patch.RENDEZVOUS_TIMEOUT_S = 5.0
+    results["status"] = zeroshim.status()[NAME].as_dict()
+    results["with"] = attempt(run, "with")
+    results["stats"] = dict(patch.stats)
+    results["trainer_target"] = patch._where.get("trainer")
+    end(out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Patch zero3_peft_save against real DeepSpeed, transformers and peft (patches/zero3_peft_save/scenario.py),
+2 ranks: a LoRA adapter saved after ZeRO-3 training by HF Trainer and by a custom loop."""
+
+import pytest
+
+import zeroshim
+from harness import load_proof, torchrun
+from zeroshim import _versions
+
+pytestmark = pytest.mark.deepspeed
+NAME = "zero3_peft_save"
+PATCH = zeroshim.get_patch(NAME)
+# transformers 5.0.0 gathers a peft model's trainable parameters itself (#41416)
+TRAINER_AFFECTED = _versions.base_version(_versions.installed("transformers")) < _versions.base_version("5.0.0")
+proof = load_proof("zero3_peft_save")  # the judge zeroshim prove uses, and its helpers
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return torchrun(NAME, 2, tmp_path_factory.mktemp("peft_save"))["ranks"]
+
+
+def test_proof(ranks):
+    without, with_, proven = proof.judge(ranks)
+    assert proven, (without, with_)
+
+
+def test_trainer_save(ranks):
+    for rank in ranks:
+        ref, out, fix = (rank[k]["trainer"] for k in ("reference", "without", "with"))
+        if TRAINER_AFFECTED:
+            assert proof.empty(out), out.get("shapes")  # adapter_model.safetensors with no tensors
+        else:  # transformers >= 5: saved whole without zeroshim, and unchanged with it
+            assert out["sha256"] == ref["sha256"] == fix["sha256"]
+        assert proof.whole(fix) and fix["sha256"] == ref["sha256"]  # = the 16-bit-gather save, bit for bit
+        assert fix["losses"] == ref["losses"] == out["losses"]
+
+
+def test_trainer_adapter_equals_zero2(ranks):
+    """ZeRO-2 and ZeRO-3 do not train bit for bit alike; the saved adapters agree to float32 rounding."""
+    for rank in ranks:
+        zero2, fix = rank["zero2"], rank["with"]["trainer"]
+        assert zero2["ok"] and zero2["shapes"] == fix["shapes"]
+        worst = max(abs(a - b) for key in zero2["values"] for a, b in zip(zero2["values"][key], fix["values"][key]))
+        assert worst < 1e-6, worst
+
+
+def test_custom_loop_saves(ranks):
+    for rank in ranks:
+        ref, out, fix = (rank[k]["custom"] for k in ("reference", "without", "with"))
+        for case in ("every_rank", "rank0_only", "every_rank_again"):
+            assert proof.placeholders(out[case]), (case, out[case].get("shapes"))
+        for case in ("every_rank", "every_rank_again"):  # a refused lone save leaves later saves working
+            assert fix[case]["sha256"] == ref["every_rank"]["sha256"], case
+        assert not fix["rank0_only"].get("written")
+        if rank is ranks[0]:
+            assert proof.REFUSAL in fix["rank0_only"]["error"]
+        # LoRA tensors below stage3_param_persistence_threshold are never partitioned: nothing to do
+        assert out["persistent"]["sha256"] == fix["persistent"]["sha256"] == ref["every_rank"]["sha256"]
+
+
+def test_status_and_action(ranks):
+    for index, rank in enumerate(ranks):
+        assert rank["status"]["state"] == "applied", rank["status"]
+        # two gathered saves on every rank; the lone save refused on rank 0; the Trainer's adapter
+        # replaced on the saving rank where transformers drops it
+        assert rank["stats"] == {"gathered": 2, "refused": 1 if index == 0 else 0,
+                                 "trainer_gathered": int(TRAINER_AFFECTED and index == 0)}
+        assert ("wrapped" in rank["trainer_target"]) == TRAINER_AFFECTED
