@@ -29,4 +29,6 @@ PATCH_MODULES = (
     "zero3_hf_config_weakref",
     "scheduler_dropped_groups",
     "zero3_peft_save",
+    "zero_no_sync",
+    "zero_config_float_sizes",
 )
