@@ -286,19 +286,19 @@ def import_scenario(patch: str) -> None:
 
     def attempt_import(code: str) -> dict:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-        lines = proc.stdout.strip().splitlines()
+        marked = [line[len("ZSSTATUS"):] for line in proc.stdout.splitlines() if line.startswith("ZSSTATUS")]
         errors = [line for line in proc.stderr.splitlines() if "Error" in line]
         out = {"ok": proc.returncode == 0, "returncode": proc.returncode}
         if proc.returncode:
             out["error"] = (errors[-1] if errors else proc.stderr.strip()[-300:]) + " @ " + proc.stderr[-3000:]
-        elif lines:
-            out["status"] = json.loads(lines[-1])
+        elif marked:  # DeepSpeed may print to stdout on import: only the marked line is the status
+            out["status"] = json.loads(marked[-1])
         return out
 
     results = {"versions": {"python": sys.version.split()[0]},
                "without": attempt_import("import deepspeed"),
                "with": attempt_import("import json, zeroshim, deepspeed; "
-                                      f"print(json.dumps(zeroshim.status()[{patch!r}].as_dict()))")}
+                                      f"print('ZSSTATUS' + json.dumps(zeroshim.status()[{patch!r}].as_dict()))")}
     results["status"] = results["with"].get("status")
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(args.out, exist_ok=True)
