@@ -1,4 +1,4 @@
-"""Scenario for patch ``numpy2_compat``: ``import deepspeed`` in a fresh interpreter without zeroshim
+"""Scenario for patch ``numpy2_compat``: ``import deepspeed`` in a fresh interpreter with this patch off
 (``without``: fails where the bug exists) and with ``import zeroshim`` first (``with``), see
 ``common.import_scenario``."""
 

@@ -1,5 +1,5 @@
 """The judge of ``torch_elastic_compat`` (used by ``zeroshim prove`` and tests/test_torch_elastic_compat.py): DeepSpeed does
-not import without zeroshim, with its own error, and imports with it."""
+not import with this patch off (the other patches on), with its own error, and imports with it."""
 
 from zeroshim._prove import import_judge, ranks_of
 

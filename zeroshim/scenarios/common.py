@@ -268,9 +268,10 @@ def versions() -> dict:
 
 def import_scenario(patch: str) -> None:
     """The scenario of an import-compatibility patch (``torch_elastic_compat``,
-    ``numpy2_compat``): ``import deepspeed`` in a fresh interpreter without
-    zeroshim (``without``), and with ``import zeroshim`` first (``with``: also
-    the patch's status there).  Each rank writes ``rank<R>.json``; nothing here
+    ``numpy2_compat``): ``import deepspeed`` in a fresh interpreter with this
+    patch off (``without``: the other patches on, so that the other import
+    shim does not fail the import first) and with ``import zeroshim`` first
+    (``with``: also the patch's status there).  Each rank writes ``rank<R>.json``; nothing here
     imports DeepSpeed into this process, which could not where the bug exists.
     ``--pythonpath DIR`` puts DIR first on the interpreters' path (numpy 2 in a
     side directory for ``numpy2_compat``)."""
@@ -284,8 +285,9 @@ def import_scenario(patch: str) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.pythonpath, env.get("PYTHONPATH", "")]))
 
-    def attempt_import(code: str) -> dict:
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    def attempt_import(code: str, run_env=None) -> dict:
+        proc = subprocess.run([sys.executable, "-c", code], env=run_env or env, capture_output=True, text=True,
+                              timeout=600)
         marked = [line[len("ZSSTATUS"):] for line in proc.stdout.splitlines() if line.startswith("ZSSTATUS")]
         errors = [line for line in proc.stderr.splitlines() if "Error" in line]
         out = {"ok": proc.returncode == 0, "returncode": proc.returncode}
@@ -295,8 +297,11 @@ def import_scenario(patch: str) -> None:
             out["status"] = json.loads(marked[-1])
         return out
 
+    # without: zeroshim with this patch alone off, so that the other import shim (both bugs exist on
+    # DeepSpeed < 0.14.4 with numpy 2) does not fail the import first
+    env_without = dict(env, **{f"ZEROSHIM_{patch.upper()}": "off"})
     results = {"versions": {"python": sys.version.split()[0]},
-               "without": attempt_import("import deepspeed"),
+               "without": attempt_import("import zeroshim, deepspeed", env_without),
                "with": attempt_import("import json, zeroshim, deepspeed; "
                                       f"print('ZSSTATUS' + json.dumps(zeroshim.status()[{patch!r}].as_dict()))")}
     results["status"] = results["with"].get("status")
