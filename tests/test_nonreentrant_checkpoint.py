@@ -84,3 +84,19 @@ def test_proof(outcome):
     zeroshim, the reference with it."""
     without, with_, proven = load_proof("nonreentrant_checkpoint").judge(outcome[1])
     assert proven, (without, with_)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_block_whose_inputs_need_no_grad_keeps_the_users_reentrant_semantics(outcome, stage):
+    """Reentrant checkpointing of a block behind a frozen stem gives the block no gradients: nothing for
+    ZeRO to reduce twice.  zeroshim must leave it so: the block stays untrained, and the run ends with
+    parameters bit for bit equal to the run without zeroshim (earlier releases converted it and trained
+    the block: the parameters differed at every stage)."""
+    _, ranks = outcome
+    for rank in ranks:
+        without, with_ = rank[f"frozen_input/without/z{stage}"], rank[f"frozen_input/with/z{stage}"]
+        assert without["ok"] and with_["ok"], (without.get("error"), with_.get("error"))
+        assert not without["enc_trained"] and not with_["enc_trained"]
+        assert with_["losses"] == without["losses"] and with_["param_sha256"] == without["param_sha256"]
+        assert rank["frozen_input/acted"]["converted"] == 0
+        assert rank["frozen_input/acted"]["kept_no_grad_input"] == 3 * len((1, 2, 3))  # every step, every stage

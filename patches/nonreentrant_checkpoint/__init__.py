@@ -51,15 +51,23 @@ Fix
     whose forward is running (a ZeRO-0 engine's forward converts nothing, even
     with a ZeRO-3 engine alive elsewhere in the process); outside any engine's
     forward, the highest stage of a live engine.  Without a ZeRO engine,
-    nothing changes.  The switch is said once, at WARNING on global rank 0 (what, why,
-    the flag): it changes what the user's code does.
+    nothing changes.  The switch is said once, at WARNING on global rank 0
+    (what, why, the flag): it changes what the user's code does.
 
-    Numerics: the recomputation is the same forward; the run matches a
-    ``use_reentrant=False`` run exactly (tests compare losses bit for bit).
-    One behavioural difference is intended: reentrant checkpointing gives no
-    gradient to the parameters of a checkpointed block whose inputs do not
-    require grad (the reason for transformers' ``enable_input_require_grads``);
-    non-reentrant checkpointing does.
+    Only where the bug can happen: a call that would run no backward through
+    the block -- grad disabled, or no top-level tensor input requiring grad
+    (a block behind a frozen embedding, pixel values into a vision tower
+    without ``enable_input_require_grads``) -- stays reentrant.  There
+    reentrant checkpointing gives the block no gradients at all (torch warns
+    "None of the inputs have requires_grad=True"), so ZeRO has nothing to
+    reduce twice, and converting would train a block the user's code leaves
+    untrained.  Tested at ZeRO-1, -2 and -3: such a run ends with parameters
+    bit for bit equal to the run without zeroshim.
+
+    Numerics where it converts: the recomputation is the same forward; the
+    run matches a ``use_reentrant=False`` run exactly (tests compare losses
+    bit for bit), and, with an input that requires grad, a reentrant run of a
+    block used once per step gives the same numbers either way.
 
     Not covered: DeepSpeed's own activation checkpointing
     (``deepspeed.checkpointing.checkpoint``, Megatron style), which is a
@@ -127,7 +135,7 @@ _zero_engines = _engines.engines
 _torch: dict = {}
 _local = threading.local()
 #: counts since import (introspection and tests)
-stats = {"converted": 0, "kept_for_dependency": 0, "reentered": 0}
+stats = {"converted": 0, "kept_for_dependency": 0, "reentered": 0, "kept_no_grad_input": 0}
 
 
 def active_zero_stage() -> int:
@@ -190,6 +198,16 @@ def _keep_reentrant(stage: int, function) -> bool:
     return frozen
 
 
+def _reentrant_has_backward(inputs) -> bool:
+    """Would this reentrant call run a backward through the block at all?  Only with grad enabled and a
+    top-level tensor input that requires grad (what ``CheckpointFunction`` itself looks at): otherwise its
+    outputs do not require grad, the block gets no gradients, and ZeRO has nothing to reduce -- converting
+    would change what the user's code does (it would train the block) and fix nothing."""
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+
+
 # -- wrappers -------------------------------------------------------------------------
 def _reentrant_apply(wrapped, instance, args, kwargs):
     """Wraps ``CheckpointFunction.apply(function, preserve_rng_state, *args)``."""
@@ -203,6 +221,8 @@ def _reentrant_apply(wrapped, instance, args, kwargs):
                     _log.warning("zeroshim[%s]: a checkpoint call came back into CheckpointFunction.apply while "
                                  "zeroshim was re-issuing it (another library's checkpoint wrapper calls back); "
                                  "running it reentrant, unchanged", NAME, scope=_log.EVERY, once=(NAME, "reentered"))
+                elif not _reentrant_has_backward(args[2:]):
+                    stats["kept_no_grad_input"] += 1  # the bug's precondition is absent: the user's semantics stay
                 elif not _keep_reentrant(stage, args[0]):
                     reroute = _torch["checkpoint"]
                     stats["converted"] += 1

@@ -12,6 +12,7 @@ image).  Phases, all in one process per rank:
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -58,6 +59,53 @@ def train(stage: int, use_reentrant: bool) -> dict:
     return {"losses": losses, "grad_fn": model.grad_fn_seen, **param_digest(engine)}
 
 
+class FrozenInputNet(nn.Module):
+    """The issue's case: a block checkpointed reentrantly, run ONCE per step, behind a frozen stem, so
+    none of its inputs requires grad.  Reentrant checkpointing then gives the block no gradients (torch
+    warns "None of the inputs have requires_grad=True"): nothing for ZeRO to reduce, twice or at all,
+    and the block must stay exactly as untrained with zeroshim as without."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 16).requires_grad_(False)
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.enc, self.stem(x), use_reentrant=True)).float().pow(2).mean()
+
+
+def train_frozen_input(stage: int) -> dict:
+    import warnings
+
+    torch.manual_seed(0)
+    model = FrozenInputNet()
+    # no weight decay: ZeRO steps the whole flat partition, so decay would move a block with no gradient
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    params = list(engine.module.enc.parameters())
+
+    def enc_values():  # after initialize: as DeepSpeed holds them (bf16), whole under ZeRO-3
+        with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
+            return [p.detach().float().clone() for p in params]
+
+    enc_before = enc_values()
+    gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "None of the inputs have requires_grad=True"
+        for _ in range(STEPS):
+            loss = engine(torch.randn(4, 8, generator=gen).to(engine.module.head.weight.dtype))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    enc_trained = any(not torch.equal(a, b) for a, b in zip(enc_values(), enc_before))
+    return {"losses": losses, "enc_trained": enc_trained, **param_digest(engine)}
+
+
+FROZEN_INPUT_STAGES = (1, 2, 3)
+
+
 def run_all(tag: str, use_reentrant: bool, stages) -> dict:
     return {f"{tag}/z{stage}": attempt(train, stage, use_reentrant) for stage in stages}
 
@@ -74,11 +122,18 @@ def main() -> None:
     assert "zeroshim" not in sys.modules or not sys.modules["zeroshim"].is_applied("nonreentrant_checkpoint")
     results.update(run_all("reference", False, stages))
     results.update(run_all("without", True, stages))
+    for stage in FROZEN_INPUT_STAGES:
+        results[f"frozen_input/without/z{stage}"] = attempt(train_frozen_input, stage)
 
     zeroshim = enable_zeroshim()
     results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
     results["alias_is_original"] = checkpoint is torch.utils.checkpoint.checkpoint
     results.update(run_all("with", True, stages))
+    before = zeroshim.stats("nonreentrant_checkpoint")
+    for stage in FROZEN_INPUT_STAGES:
+        results[f"frozen_input/with/z{stage}"] = attempt(train_frozen_input, stage)
+    after = zeroshim.stats("nonreentrant_checkpoint")
+    results["frozen_input/acted"] = {k: after[k] - before[k] for k in after}
 
     zeroshim.unpatch("nonreentrant_checkpoint")
     from deepspeed.runtime.engine import DeepSpeedEngine
