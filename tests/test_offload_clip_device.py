@@ -16,7 +16,7 @@ import pytest
 
 import zeroshim
 from harness import load_proof, matches, message, torchrun
-from zeroshim import _core, _versions
+from zeroshim import _core, _prove, _versions
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("offload_clip_device")
@@ -80,5 +80,8 @@ def test_proof(cpu):
     mismatch on any release: `prove` runs it only where the gate applies, and so does this test."""
     if not AFFECTED:
         pytest.skip("not affected here: zeroshim prove does not run this proof (the CPU form simulates the device)")
-    without, with_, proven = load_proof("offload_clip_device").judge(cpu)
+    try:
+        without, with_, proven = load_proof("offload_clip_device").judge(cpu)
+    except _prove.NotHere as exc:  # as test_real_method_with_norm_on_another_device, and prove says so
+        pytest.skip(str(exc))
     assert proven, (without, with_)

@@ -115,3 +115,13 @@ def test_every_patch_has_a_proof():
     import zeroshim
 
     assert all(_prove.proof(name) is not None for name in zeroshim.patch_names())
+
+
+def test_a_reproduction_that_cannot_show_the_bug_here_is_not_run_not_failed(monkeypatch, capsys, tmp_path):
+    def needs_gpu(launch, out, nproc, device):
+        raise _prove.NotHere("needs a CUDA device")
+
+    stub(monkeypatch, "zero3_dummy_loss", needs_gpu)
+    assert _prove.main(args(patches="zero3_dummy_loss", keep=str(tmp_path))) == 0
+    [row] = json.loads(capsys.readouterr().out)["rows"]
+    assert row["proven"] is None and row["without"] == "not run here: needs a CUDA device"

@@ -29,6 +29,11 @@ class Unproven(Exception):
     """A launch did not produce what the judge needs (it crashed, or the runs disagree)."""
 
 
+class NotHere(Unproven):
+    """The reproduction cannot show the bug on this machine (e.g. it needs a GPU): the row says why
+    and counts as not run, neither proven nor failed."""
+
+
 def first_line(error: "str | None") -> str:
     """The exception's type and message; for a bare assertion, the asserting line."""
     message, _, frames = (error or "").partition(" @ ")
@@ -171,6 +176,8 @@ def prove(names=None, nproc: int = 2, device: str = "cpu", keep: "str | None" = 
             try:
                 row["without"], row["with"], row["proven"] = judge.prove(launch, os.path.join(tmp_root, name),
                                                                          nproc, device)
+            except NotHere as exc:
+                row["without"] = f"not run here: {str(exc)[:400]}"
             except Unproven as exc:
                 row["with"], row["proven"] = f"could not run: {str(exc)[:400]}", False
             except (KeyError, TypeError, ValueError) as exc:  # a result without what the judge reads
