@@ -73,10 +73,11 @@ def _portable_isa() -> dict:
 PORTABLE_ISA = _portable_isa()
 
 
-def clean_env(**extra: str) -> dict:
+def clean_env(device: str = "cpu", **extra: str) -> dict:
     """The test process's environment without zeroshim flags (nor the variable
-    ``zeroshim-run`` carries them in), the scenario helpers on PYTHONPATH, plus ``extra``."""
-    return _launch.clean_env(**extra)
+    ``zeroshim-run`` carries them in), the scenario helpers on PYTHONPATH, DeepSpeed's CPU
+    accelerator forced for CPU runs (``zeroshim/_launch.py``), plus ``extra``."""
+    return _launch.clean_env(device, **extra)
 
 
 def load_proof(name: str):

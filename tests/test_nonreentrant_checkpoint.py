@@ -96,7 +96,12 @@ def test_a_block_whose_inputs_need_no_grad_keeps_the_users_reentrant_semantics(o
     for rank in ranks:
         without, with_ = rank[f"frozen_input/without/z{stage}"], rank[f"frozen_input/with/z{stage}"]
         assert without["ok"] and with_["ok"], (without.get("error"), with_.get("error"))
-        assert not without["enc_trained"] and not with_["enc_trained"]
         assert with_["losses"] == without["losses"] and with_["param_sha256"] == without["param_sha256"]
-        assert rank["frozen_input/acted"]["converted"] == 0
-        assert rank["frozen_input/acted"]["kept_no_grad_input"] == 3 * len((1, 2, 3))  # every step, every stage
+        if not without["input_requires_grad"]:  # the case itself (DeepSpeed 0.14's ZeRO-3 hooks add grad)
+            assert not without["enc_trained"] and not with_["enc_trained"]
+    runs = [rank[f"frozen_input/without/z{s}"] for rank in ranks for s in (1, 2, 3)]
+    assert any(not run["input_requires_grad"] for run in runs)  # the case occurred: the test can fail
+    for rank in ranks:  # 3 steps per run where the input needs no grad: kept; elsewhere converted
+        no_grad = sum(not rank[f"frozen_input/without/z{s}"]["input_requires_grad"] for s in (1, 2, 3))
+        assert rank["frozen_input/acted"]["kept_no_grad_input"] == 3 * no_grad
+        assert rank["frozen_input/acted"]["converted"] == 3 * (3 - no_grad)

@@ -21,8 +21,9 @@ def test_prove_one_patch_for_real(tmp_path):
     """nonreentrant_checkpoint applies to every release: its reproduction must
     fail without zeroshim and match the reference with it, on this machine."""
     exe = shutil.which("zeroshim", path=str(BIN))
+    # as on a GPU machine: a visible device must not pull the CPU forms onto CUDA (here there is none)
     out = subprocess.run([exe, "prove", "--patches", "nonreentrant_checkpoint", "--json", "--keep", str(tmp_path)],
-                         env=clean_env(), capture_output=True, text=True, timeout=900)
+                         env=clean_env(CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [row] = [r for r in json.loads(out.stdout)["rows"] if r["patch"] == "nonreentrant_checkpoint"]
     assert row["proven"] is True
@@ -125,3 +126,14 @@ def test_a_reproduction_that_cannot_show_the_bug_here_is_not_run_not_failed(monk
     assert _prove.main(args(patches="zero3_dummy_loss", keep=str(tmp_path))) == 0
     [row] = json.loads(capsys.readouterr().out)["rows"]
     assert row["proven"] is None and row["without"] == "not run here: needs a CUDA device"
+
+
+def test_cpu_forms_force_deepspeed_s_cpu_accelerator_and_hide_gpus(monkeypatch):
+    from zeroshim import _launch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    cpu = _launch.clean_env(_launch.device_of(("--stages", "2,3")))
+    assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["CUDA_VISIBLE_DEVICES"] == ""
+    cuda = _launch.clean_env(_launch.device_of(("--device", "cuda")))
+    assert cuda["DS_ACCELERATOR"] == "cuda" and cuda["CUDA_VISIBLE_DEVICES"] == "0"  # the GPU form: untouched

@@ -71,16 +71,28 @@ def master_port():
         remove_shm_buffers(port)
 
 
-def clean_env(**extra: str) -> dict:
+def clean_env(device: str = "cpu", **extra: str) -> dict:
     """This process's environment without zeroshim's flags (nor the variable
     ``zeroshim-run`` carries them in), offline, one thread per rank, the
-    scenario helpers on PYTHONPATH; plus ``extra``."""
+    scenario helpers on PYTHONPATH; plus ``extra``.  For the CPU forms of the
+    reproductions (``device="cpu"``) DeepSpeed's CPU accelerator is forced and
+    GPUs are hidden: on a GPU machine DeepSpeed would otherwise pick CUDA while
+    the scenarios feed CPU tensors over gloo."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROSHIM_") and k != "PYTHON_ZEROSHIM_ENV"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
+    if device == "cpu":
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), HELPERS]))
     return env
+
+
+def device_of(args) -> str:
+    """The device a scenario runs on: ``cuda`` where its arguments ask for its GPU form
+    (``--device cuda``), else ``cpu``."""
+    args = list(args)
+    return "cuda" if "--device" in args[:-1] and args[args.index("--device") + 1] == "cuda" else "cpu"
 
 
 def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = None,
@@ -91,7 +103,7 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     A launch that runs past ``timeout`` returns code -1 with what it printed.
     The output is also kept in ``out/log.txt``."""
     os.makedirs(out, exist_ok=True)
-    env = dict(env if env is not None else clean_env())
+    env = dict(env if env is not None else clean_env(device_of(args)))
     # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))

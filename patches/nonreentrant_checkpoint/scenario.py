@@ -72,7 +72,9 @@ class FrozenInputNet(nn.Module):
         self.head = nn.Linear(16, 4)
 
     def forward(self, x):
-        return self.head(checkpoint(self.enc, self.stem(x), use_reentrant=True)).float().pow(2).mean()
+        h = self.stem(x)
+        self.input_requires_grad = h.requires_grad  # (DeepSpeed 0.14's ZeRO-3 hooks make it require grad)
+        return self.head(checkpoint(self.enc, h, use_reentrant=True)).float().pow(2).mean()
 
 
 def train_frozen_input(stage: int) -> dict:
@@ -100,7 +102,8 @@ def train_frozen_input(stage: int) -> dict:
             engine.step()
             losses.append(loss.item())
     enc_trained = any(not torch.equal(a, b) for a, b in zip(enc_values(), enc_before))
-    return {"losses": losses, "enc_trained": enc_trained, **param_digest(engine)}
+    return {"losses": losses, "enc_trained": enc_trained, "input_requires_grad": model.input_requires_grad,
+            **param_digest(engine)}
 
 
 FROZEN_INPUT_STAGES = (1, 2, 3)
