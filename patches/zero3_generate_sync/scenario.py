@@ -50,7 +50,7 @@ def main():
     with torch.no_grad():
         results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
     results["seconds"] = time.time() - start
-    if "zeroshim" in sys.modules:
+    if args.mode == "with":  # (on DeepSpeed < 0.14.4 zeroshim's import shims are loaded without it too)
         zeroshim = sys.modules["zeroshim"]
         results["synced"] = zeroshim.stats("zero3_generate_sync")["synced"]
         results["status"] = zeroshim.status()["zero3_generate_sync"].as_dict()
