@@ -61,7 +61,10 @@ def trainer_run(stage: int, lora: bool = True, prune: bool = False) -> dict:
     lrs, losses = [], []
 
     class Record(TrainerCallback):
+        trainer = None
+
         def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            optimizer = optimizer or self.trainer.optimizer  # transformers 4.49 passes None
             lrs.append([g["lr"] for g in optimizer.param_groups])
 
     class Run(Trainer):
@@ -87,7 +90,8 @@ def trainer_run(stage: int, lora: bool = True, prune: bool = False) -> dict:
                                  lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_strategy="no",
                                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
                                  deepspeed=config)
-        trainer = Run(model=model, args=args, train_dataset=data, callbacks=[Record()])
+        record = Record()
+        trainer = record.trainer = Run(model=model, args=args, train_dataset=data, callbacks=[record])
         groups = len(trainer.create_optimizer().param_groups) if not stage else None
         trainer.train()
     scheduler = trainer.lr_scheduler
