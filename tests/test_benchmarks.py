@@ -58,3 +58,24 @@ def test_lora_memory_smoke():
     if ds_before("0.19.3"):
         assert "CheckpointError" in rows["a0"], out  # the crash zeroshim fixes
     assert "(a) / min(b, c), peak:" in out
+
+
+def test_gate_table_on_the_installed_deepspeed(tmp_path):
+    """benchmarks/gate_table.py (RESULTS.md §7) on the installed DeepSpeed, linked as a one-release sdist folder:
+    it reads the sources without importing DeepSpeed, has requirements for every patch, and finds every
+    DeepSpeed target of the patches that apply here (no "target changed" on a release the tests run)."""
+    import importlib.util
+    import os
+
+    from zeroshim import _versions
+
+    package = list(importlib.util.find_spec("deepspeed").submodule_search_locations)[0]  # not imported
+    version = _versions.installed("deepspeed")
+    os.symlink(os.path.dirname(package), tmp_path / f"deepspeed-{version}")
+    out = run(str(BENCH / "gate_table.py"), str(tmp_path))
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1].strip(" |") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| patch")}
+    from zeroshim._core import load_patches
+
+    assert set(rows) == set(load_patches()), out
+    assert rows["zero3_dummy_loss"] == "A" and "T" not in rows.values() and "!" not in "".join(rows.values()), out

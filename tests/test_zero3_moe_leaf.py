@@ -41,3 +41,23 @@ def test_proof(runs):
     zeroshim, the reference with it."""
     without, with_, proven = load_proof("zero3_moe_leaf").judge(runs)
     assert proven, (without, with_)
+
+
+def test_skipped_where_deepspeed_has_no_leaf_modules():
+    """DeepSpeed < 0.13.0 has no deepspeed.utils.z3_leaf_module: the `_z3_leaf` flag would be read by nothing,
+    so the patch must be skipped ("target changed"), not report marking (benchmarks/RESULTS.md §7).  The
+    module's absence is simulated on the installed DeepSpeed."""
+    import subprocess
+    import sys
+
+    from harness import clean_env
+
+    code = ("import importlib.util as u\n"
+            "orig = u.find_spec\n"
+            "u.find_spec = lambda n, *a: None if n == 'deepspeed.utils.z3_leaf_module' else orig(n, *a)\n"
+            "import zeroshim, deepspeed.runtime.engine\n"
+            "print(zeroshim.status()['zero3_moe_leaf'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zero3_moe_leaf: skipped: target changed: deepspeed.utils.z3_leaf_module does not exist" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]

@@ -30,6 +30,14 @@ Affected versions
     own classes); 4.52 (Mixtral, Qwen2-MoE) / 4.53 (Qwen3-MoE) to 4.57 skip
     experts without tokens; 5.x fuses each block's experts into one module,
     always called.  Remote-code blocks: any version.
+    The leaf mechanism itself (``deepspeed/utils/z3_leaf_module.py``, the
+    ``_z3_leaf`` flag this patch sets, #4966) first ships in 0.13.0 (absent
+    from the 0.12.0–0.12.6 sdists): on 0.12.x the flag is read by nothing, so
+    the patch is skipped there ("target changed") rather than claim a fix
+    (issue #32 item 2, benchmarks/RESULTS.md §7).  0.13.0 and 0.13.1 also lack
+    #5008 (a leaf module's gradients reduce-scattered after its backward; first
+    in 0.13.2's ``stage3.py``): whether marking suffices for training there is
+    not verified (those releases need intel-extension-for-pytorch on CPU).
 
 Flag
     ``ZEROSHIM_ZERO3_MOE_LEAF=auto|on|off`` (default ``auto``).
@@ -57,7 +65,7 @@ from __future__ import annotations
 
 from zeroshim import _log
 from zeroshim._core import Patch, is_active
-from zeroshim._patcher import Patcher, guard, require_attr
+from zeroshim._patcher import Patcher, guard, require, require_attr
 
 NAME = "zero3_moe_leaf"
 #: MoE block class names (transformers and remote code) that LLaMA-Factory, ms-swift, axolotl or DeepSpeed mark
@@ -105,8 +113,13 @@ def _configure(wrapped, instance, args, kwargs):
 
 
 def patch_engine(module, patcher: Patcher) -> None:
+    from importlib.util import find_spec
+
     cls = require_attr(module, "DeepSpeedEngine")
     require_attr(cls, "_configure_distributed_model")
+    # DeepSpeed < 0.13.0 has no leaf modules: the `_z3_leaf` flag would be read by nothing
+    require(find_spec("deepspeed.utils.z3_leaf_module") is not None,
+            "deepspeed.utils.z3_leaf_module does not exist (ZeRO-3 leaf modules arrived in DeepSpeed 0.13.0)")
     patcher.wrap(cls, "_configure_distributed_model", _configure)
 
 
