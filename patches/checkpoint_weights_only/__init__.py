@@ -49,6 +49,18 @@ Fix
     target: a training run never imports it, and the patch is ``applied``
     without it.
 
+    What is still refused: any other global in the file, including your own.
+    A ``client_state`` passed to ``engine.save_checkpoint`` that holds an
+    object of your class (a dataclass, a custom sampler state) makes the
+    resume fail with ``Unsupported global: GLOBAL your_module.YourClass``, as
+    it would on a fixed DeepSpeed with weights-only loading.  To allow it
+    safely, name exactly that class -- never turn ``weights_only`` off: call
+    ``torch.serialization.add_safe_globals([YourClass])`` before
+    ``engine.load_checkpoint`` (or load inside ``with
+    torch.serialization.safe_globals([YourClass]):``), or keep
+    ``client_state`` to plain types (dicts, lists, numbers, strings, tensors),
+    which need nothing.
+
 Undo
     ``zeroshim.unpatch("checkpoint_weights_only")`` restores the three functions.
 """
