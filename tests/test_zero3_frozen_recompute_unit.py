@@ -46,3 +46,25 @@ def test_outside_backward_and_in_plain_autograd_functions():
 
     Probe.apply(torch.randn(3, requires_grad=True)).sum().backward()
     assert seen == [False]
+
+
+def test_skipped_with_a_reason_on_a_torch_without_the_recompute_query(tmp_path):
+    """No fallback that would keep every frozen weight gathered until the end of backward (#30 item 7)."""
+    import subprocess
+    import sys
+
+    import zeroshim
+    from harness import clean_env
+
+    code = ("import torch; del torch._C._autograd._top_saved_tensors_default_hooks\n"
+            "import zeroshim, deepspeed.runtime.zero.parameter_offload, deepspeed.runtime.zero.stage3\n"
+            "st = zeroshim.status()['zero3_frozen_recompute']; print('ZS', st.state, '|', st.reason)")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith("ZS")]
+    assert line, out.stderr[-3000:]
+    state, reason = line[0][3:].split(" | ", 1)
+    if zeroshim.status()["zero3_frozen_recompute"].state == "skipped":  # not affected here (DeepSpeed >= 0.19.3)
+        assert state == "skipped"
+    else:
+        assert state == "skipped" and "_top_saved_tensors_default_hooks does not exist" in reason, (state, reason)

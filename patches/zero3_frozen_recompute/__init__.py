@@ -37,7 +37,12 @@ Affected versions
     (diffed from the released sdists), so a build with the fix backported is
     recognised as not affected.  Reproduced here (tiny Llama + peft LoRA, CPU) on 0.14.1, 0.16.9
     and 0.19.2; the issue that asked for this patch also lists 0.17.0, 0.18.0,
-    0.18.5, 0.19.0 and 0.19.1.
+    0.18.5, 0.19.0 and 0.19.1.  torch: tested on 2.13.0; the patch needs
+    torch's private query of the innermost saved-tensor hook
+    (``torch._C._autograd._top_saved_tensors_default_hooks``) to tell a
+    checkpoint's re-run from other forwards inside backward, and is skipped,
+    with that reason, on a torch without it (no fallback: upstream's broader
+    rule would keep every frozen weight gathered until the end of backward).
 
 Flag
     ``ZEROSHIM_ZERO3_FROZEN_RECOMPUTE=auto|on|off`` (default ``auto``).
@@ -144,10 +149,7 @@ def _in_nonreentrant_recompute() -> bool:
 
     if torch._C._current_graph_task_id() == -1:
         return False
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # torch without the query: upstream's rule (any forward inside backward)
-        return True
-    hooks = top(True)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)  # required when applying (patch_offload)
     if not hooks:
         return False
     return getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
@@ -279,6 +281,13 @@ def patch_offload(module, patcher: Patcher) -> None:
     getter = require_attr(cls, "get_param_coordinator")
     require(callable(getattr(torch._C, "_current_graph_task_id", None)),
             "torch._C._current_graph_task_id does not exist")
+    # Which forward inside backward is a checkpoint's re-run: the innermost saved-tensor hook is torch's
+    # recomputation hook.  A torch without this query gets no fallback (upstream's rule, "any forward
+    # inside backward", would keep every frozen weight gathered until the end of backward: an OOM risk
+    # on a large model); the patch is skipped there, with this reason.  Tested on torch 2.13.
+    require(callable(getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)),
+            "torch._C._autograd._top_saved_tensors_default_hooks does not exist (this torch cannot tell a "
+            "checkpoint's re-run from other forwards inside backward)")
     _ds.update(
         ppc=ppc,
         release_attr=release_attr,
