@@ -55,8 +55,8 @@ def test_lora_memory_smoke():
             if line.startswith("| ") and line.split(" ")[1] in configs}
     assert set(rows) == configs, out
     assert "→" in rows["a"] and "→" in rows["b"] and "→" in rows["c"], out  # trained
-    if ds_before("0.19.3"):
-        assert "CheckpointError" in rows["a0"], out  # the crash zeroshim fixes
+    # (a0, the run without zeroshim, crashes only on DeepSpeed < 0.19.3; this test runs once, on the newest
+    # release: the crash is proven where it exists by tests/test_zero3_frozen_recompute.py)
     assert "(a) / min(b, c), peak:" in out
 
 

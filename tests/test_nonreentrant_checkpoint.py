@@ -36,7 +36,10 @@ def test_fails_without_zeroshim(outcome, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_trains_with_zeroshim_and_matches_nonreentrant_reference(outcome, stage):
+def test_trains_with_zeroshim_as_an_explicit_non_reentrant_run(outcome, stage):
+    """The converted call trains exactly as the user's own ``use_reentrant=False`` would (the reference
+    here).  That the conversion changes nothing where the bug cannot occur is proven by
+    test_without_zero_nothing_changes and test_a_block_whose_inputs_need_no_grad_keeps_the_users_reentrant_semantics."""
     _, ranks = outcome
     for patched, reference in zip(runs(ranks, f"with/z{stage}"), runs(ranks, f"reference/z{stage}")):
         assert patched["ok"], patched.get("error")

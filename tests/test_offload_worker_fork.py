@@ -63,7 +63,7 @@ def test_workers_copy_the_offloaded_state_without_zeroshim(memory):
     assert extra > 0.5 * state, (extra, state)
 
 
-def test_with_zeroshim_workers_cost_no_more_than_no_workers(memory):
+def test_zeroshim_removes_at_least_three_quarters_of_what_the_workers_add(memory):
     """zeroshim removes at least three quarters of what the workers add over the no-worker run.
     The bound is a ratio of the two extra costs measured in the same test, not a ratio to the
     no-worker growth: on small models that growth and the pages a worker still copies besides the
