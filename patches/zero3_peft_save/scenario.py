@@ -124,11 +124,13 @@ def shared_dir(scratch) -> str:
 
 
 def save_and_read(engine, where: str, ranks) -> dict:
-    """``engine.module.save_pretrained(where)`` on ``ranks`` (the others wait), read back by all."""
+    """``engine.module.save_pretrained(where)`` on ``ranks`` (the others wait), read back by all.  Every
+    calling rank takes part (the gather), the first of them writes (``is_main_process``, as peft's docs
+    say): two ranks writing one file at once can leave it torn."""
     out = {}
     if dist.get_rank() in ranks:
         try:
-            engine.module.save_pretrained(where)
+            engine.module.save_pretrained(where, is_main_process=dist.get_rank() == min(ranks))
         except Exception as exc:
             out = {"error": f"{type(exc).__name__}: {exc}"}
     dist.barrier()
