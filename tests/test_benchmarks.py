@@ -79,3 +79,11 @@ def test_gate_table_on_the_installed_deepspeed(tmp_path):
 
     assert set(rows) == set(load_patches()), out
     assert rows["zero3_dummy_loss"] == "A" and "T" not in rows.values() and "!" not in "".join(rows.values()), out
+
+
+@pytest.mark.skipif(ds_before("0.14.4"), reason="this DeepSpeed cannot be imported without zeroshim")
+def test_moe_leaf_memory_smoke():
+    out = run(str(BENCH / "moe_leaf_memory.py"), "--smoke")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 0, 0")]
+    assert len(rows) == 1, out
+    assert int(rows[0][2].replace(",", "")) > 4 * int(rows[0][1].replace(",", "")), out  # the leaf gathers all experts

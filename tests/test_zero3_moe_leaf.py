@@ -1,5 +1,6 @@
-"""Patch zero3_moe_leaf against real DeepSpeed (patches/zero3_moe_leaf/scenario.py): an MoE
-block that skips experts without tokens, 2 ranks routing to different experts."""
+"""Patch zero3_moe_leaf against real DeepSpeed (patches/zero3_moe_leaf/scenario.py): two MoE blocks that skip
+experts without tokens (one known by class name, one by structure only), 2 ranks routing to different experts;
+and the same blocks behind a frozen input, where DeepSpeed's leaf hooks fail unless the input gets a gradient."""
 
 import pytest
 
@@ -7,11 +8,15 @@ from harness import load_proof, torchrun
 
 pytestmark = pytest.mark.deepspeed
 
+BLOCKS = ["CustomSparseMoe", "DeepseekV2MoE"]  # by structure (in no list), by name
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {mode: torchrun("zero3_moe_leaf", 2, tmp_path_factory.mktemp(mode), "--mode", mode, "--timeout", "45")["ranks"]
-            for mode in ("without", "with")}
+    # the watchdog starts before the routed run only; with zeroshim it must not fire on a slow machine
+    return {mode: torchrun("zero3_moe_leaf", 2, tmp_path_factory.mktemp(mode), "--mode", mode,
+                           "--timeout", timeout)["ranks"]
+            for mode, timeout in (("without", "45"), ("with", "120"))}
 
 
 def failed(run) -> bool:
@@ -21,19 +26,35 @@ def failed(run) -> bool:
 
 def test_fails_without_zeroshim(runs):
     for rank in runs["without"]:
-        assert rank["reference"]["leaves"] == []  # nothing marked: this DeepSpeed has no default for this block
+        assert rank["reference"]["leaves"] == []  # nothing marked: this DeepSpeed has no default for these blocks
     assert any(failed(rank["run"]) for rank in runs["without"]), \
         f"the ranks trained without zeroshim: the test cannot fail ({[r['run'] for r in runs['without']]})"
 
 
-def test_trains_with_zeroshim_as_the_block_that_calls_every_expert(runs):
+def test_trains_with_zeroshim_as_the_blocks_that_call_every_expert(runs):
     # the reference: the launch without zeroshim, unmarked, every expert called (same code, same environment)
     for rank, plain in zip(runs["with"], runs["without"]):
         assert rank["run"] != "hang", "hung with zeroshim"
         assert "error" not in rank["run"], rank["run"]["error"]
-        assert rank["run"]["leaves"] == ["DeepseekV2MoE"]
+        assert rank["run"]["leaves"] == BLOCKS  # CustomSparseMoe: found by its router + ModuleList of experts
         assert rank["run"]["losses"] == plain["reference"]["losses"]  # bit for bit
-        assert rank["status"]["state"] == "applied" and rank["marked"] >= 1
+        assert rank["status"]["state"] == "applied"
+        assert rank["stats"]["marked"] >= 2 and rank["stats"]["by_structure"] >= 1
+
+
+def test_frozen_input_trains_as_unmarked(runs):
+    """Blocks whose input needs no grad (behind a frozen projection, as behind a frozen embedding under LoRA):
+    unmarked they train; marked, DeepSpeed 0.13.2-0.17.x raise "A module cannot be set as a leaf module when it
+    does not have any input tensors that require gradients" and 0.18+ fail in backward (the leaf's backward hook
+    fires before its parameters' gradients exist).  zeroshim gives the input a gradient: the same numbers."""
+    for rank, plain in zip(runs["with"], runs["without"]):
+        assert "error" not in plain["frozen"], plain["frozen"]["error"]  # the working run zeroshim must keep
+        assert plain["frozen"]["leaves"] == []
+        assert "error" not in rank["frozen"], rank["frozen"]["error"]
+        assert rank["frozen"]["leaves"] == BLOCKS
+        assert rank["frozen"]["losses"] == plain["frozen"]["losses"]  # bit for bit
+        if not plain["frozen"]["input_required_grad"]:  # (DeepSpeed's own module hooks may give it one)
+            assert rank["stats"]["inputs_given_grad"] >= 1
 
 
 def test_proof(runs):
@@ -61,3 +82,29 @@ def test_skipped_where_deepspeed_has_no_leaf_modules():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "zero3_moe_leaf: skipped: target changed: deepspeed.utils.z3_leaf_module does not exist" in proc.stdout, \
         proc.stdout + proc.stderr[-3000:]
+
+
+def test_structure_detection():
+    """Which modules count as per-expert MoE blocks by structure (no DeepSpeed needed)."""
+    import torch.nn as nn
+
+    from zeroshim.patches.zero3_moe_leaf import _routed_experts
+
+    class Block(nn.Module):
+        def __init__(self, router="gate", experts=4, outputs=4, mixed=False, fused=False):
+            super().__init__()
+            setattr(self, router, nn.Linear(8, outputs, bias=False))
+            if fused:  # one module holding every expert's weights (transformers 5.x): no leaf needed
+                self.experts = nn.Linear(8, 8 * experts)
+            else:
+                self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(experts)])
+                if mixed:
+                    self.experts[0] = nn.Sequential(nn.Linear(8, 8))
+
+    assert _routed_experts(Block()) and _routed_experts(Block(router="router"))
+    assert not _routed_experts(Block(router="proj"))  # no router
+    assert not _routed_experts(Block(outputs=3))  # the router's outputs are not the experts
+    assert not _routed_experts(Block(experts=1, outputs=1))
+    assert not _routed_experts(Block(mixed=True))  # not one type of expert
+    assert not _routed_experts(Block(fused=True))
+    assert not _routed_experts(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]))

@@ -24,12 +24,21 @@ Cause
 
 Affected versions
     DeepSpeed < 0.18.0 has no default leaf modules; 0.18.0 (#7604) marks the
-    Mixtral, Qwen2-MoE and Qwen3-MoE blocks by default (``zero_optimization.
-    leaf_module``) and nothing else (not DeepSeek-V2/V3, OLMoE, Qwen3-VL-MoE,
+    Mixtral, Qwen2-MoE and Qwen3-MoE blocks by default
+    (``zero_optimization.leaf_module``) and nothing else (not DeepSeek-V2/V3, OLMoE, Qwen3-VL-MoE,
     GLM4-MoE, ...).  transformers <= 4.51 called every expert (no hang for its
     own classes); 4.52 (Mixtral, Qwen2-MoE) / 4.53 (Qwen3-MoE) to 4.57 skip
-    experts without tokens; 5.x fuses each block's experts into one module,
-    always called.  Remote-code blocks: any version.
+    experts without tokens; 5.x fuses each block's experts into one module
+    of 3-D parameters, always called and gathered whole (GptOss has been
+    fused since its first release, 4.55; Gemma4, GLM-MoE-DSA, MiMo-V2-Flash
+    and HY-V3 are absent from 4.57 and fused in 5.23).  Remote-code blocks: any version.
+    A leaf module whose input needs no grad (behind frozen layers, e.g. a
+    frozen embedding under LoRA) fails on every DeepSpeed that has leaf
+    modules: 0.13.2-0.17.x raise "A module cannot be set as a leaf module
+    when it does not have any input tensors that require gradients ..." in
+    its forward; 0.18+ register a full backward hook that then fires on the
+    output's gradient, before the parameters' gradients exist, and backward
+    fails ("The size of tensor a (0) must match the size of tensor b").
     The leaf mechanism itself (``deepspeed/utils/z3_leaf_module.py``, the
     ``_z3_leaf`` flag this patch sets, #4966) first ships in 0.13.0 (absent
     from the 0.12.0–0.12.6 sdists): on 0.12.x the flag is read by nothing, so
@@ -45,20 +54,36 @@ Flag
 Fix
     ``DeepSpeedEngine._configure_distributed_model`` (where DeepSpeed itself
     applies its leaf configuration, before the ZeRO-3 hooks are registered) is
-    wrapped: for a ZeRO-3 engine, every module whose class name is a known MoE
-    block (``MOE_BLOCKS``, the union of what LLaMA-Factory, ms-swift, axolotl
-    and DeepSpeed mark) and whose ``experts`` is an ``nn.ModuleList`` of
-    per-expert modules (the form that skips experts; fused experts are left
-    alone) gets ``_z3_leaf = True``.  A user's own choice wins: nothing is
-    marked if any module of the model already is a leaf (``set_z3_leaf_modules``)
-    or the config names ``zero_optimization.leaf_module``.  Said once, at WARNING
-    on global rank 0 (what, why, the flag).
+    wrapped: for a ZeRO-3 engine, every per-expert MoE block gets
+    ``_z3_leaf = True``: a block whose class name is known (``MOE_BLOCKS``, the
+    union of what LLaMA-Factory, ms-swift, axolotl and DeepSpeed mark) and whose
+    ``experts`` is an ``nn.ModuleList``, or, whatever its name, one with a
+    ``gate``/``router`` child whose 2-D weight has one row per expert and an
+    ``nn.ModuleList`` child of 2+ expert modules of one type (fused experts
+    are left alone: their parameters are gathered whole anyway).  A user's own
+    choice wins: nothing is marked if any module of the model already is a
+    leaf (``set_z3_leaf_modules``) or the config names
+    ``zero_optimization.leaf_module``.  Said once, at WARNING on global rank 0
+    (what, why, the flag).
+    Whether a block's input will need grad is known only in its forward, after
+    DeepSpeed has fixed its hooks; so each block zeroshim marks gets a forward
+    pre-hook: where grad is enabled, the block has trainable parameters and no
+    positional input tensor requires grad, its first floating-point positional
+    input is replaced by a copy that requires grad (same values; nothing before
+    the block needs its gradient, so the numbers are the unmarked block's; the
+    cost: that copy and its gradient).  Said once, at WARNING.  Not helped: a
+    block that gets its input as a keyword argument only (DeepSpeed's leaf
+    hooks see positional arguments only; transformers' and the known remote
+    MoE blocks are called positionally), and leaves that DeepSpeed's defaults
+    or the user set (DeepSpeed's own behaviour, left as it is).  A leaf costs
+    memory: its experts are gathered all at once (benchmarks/RESULTS.md,
+    section 8).
     Must act before the engine is built; an engine built earlier is left as it
     is (its per-expert gradient hooks are already installed).
 
 Undo
     ``zeroshim.unpatch("zero3_moe_leaf")`` restores the method (modules already
-    marked stay marked: their engine depends on it).
+    marked stay marked, with their input pre-hook: their engine depends on it).
 """
 
 from __future__ import annotations
@@ -68,17 +93,22 @@ from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr
 
 NAME = "zero3_moe_leaf"
-#: MoE block class names (transformers and remote code) that LLaMA-Factory, ms-swift, axolotl or DeepSpeed mark
+#: MoE block class names (transformers and remote code) that LLaMA-Factory, ms-swift, axolotl or DeepSpeed mark;
+#: a name is marked only where its block holds per-expert modules (fused 3-D experts are left alone)
 MOE_BLOCKS = frozenset((
     "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock",
     "Qwen3VLMoeTextSparseMoeBlock", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "Qwen3NextSparseMoeBlock",
     "DeepseekV2MoE", "DeepseekV3MoE", "OlmoeSparseMoeBlock", "PhimoeSparseMoeBlock", "JambaSparseMoeBlock",
     "JetMoeMoA", "JetMoeMoE", "DbrxFFN", "GraniteMoeMoE", "Glm4MoeMoE", "Glm4MoeLiteMoE", "Glm4vMoeTextMoE",
     "Ernie4_5_MoeSparseMoeBlock", "Llama4TextMoe", "Lfm2MoeSparseMoeBlock", "MiniMaxM2SparseMoeBlock",
-    "Mistral4MoE", "NemotronHMoE", "AfmoeMoE",
+    "Mistral4MoE", "NemotronHMoE", "AfmoeMoE", "GptOssMLP", "Gemma4TextExperts", "GlmMoeDsaMoE", "MiMoV2MoE",
+    "HYV3MoE",
 ))
-#: modules marked since import (introspection and tests)
-stats = {"marked": 0}
+#: names of the router child that structural detection looks for
+ROUTERS = ("gate", "router")
+#: what the patch did since import (introspection and tests): blocks marked (``by_structure`` of them found by
+#: structure alone), leaf-module inputs given a gradient
+stats = {"marked": 0, "by_structure": 0, "inputs_given_grad": 0}
 
 
 def _per_expert(module) -> bool:
@@ -88,11 +118,79 @@ def _per_expert(module) -> bool:
     return isinstance(experts, torch.nn.ModuleList) and len(experts) > 1
 
 
+def _rows(param) -> "int | None":
+    """The first dimension of a 2-D parameter (its full shape under ZeRO-3, where ``shape`` is the partition's)."""
+    shape = tuple(getattr(param, "ds_shape", None) or param.shape)
+    return shape[0] if len(shape) == 2 else None
+
+
+def _routed_experts(module) -> bool:
+    """A per-expert MoE block by structure: a ``gate``/``router`` child with one output per expert (a 2-D weight
+    of as many rows) and a ``ModuleList`` child of 2+ expert modules of one type, each holding parameters.  Such
+    a block can run only the experts its router picks (ranks then diverge); one that calls every expert is
+    marked as well, which costs memory but no correctness."""
+    import torch
+
+    routers = [getattr(module, name, None) for name in ROUTERS]
+    routers = [r for r in routers if isinstance(r, torch.nn.Module)]
+    if not routers:
+        return False
+    for experts in module.children():
+        if not isinstance(experts, torch.nn.ModuleList) or len(experts) < 2:
+            continue
+        kinds = {type(e) for e in experts}
+        if len(kinds) != 1 or not all(any(True for _ in e.parameters()) for e in experts):
+            continue
+        if any(_rows(p) == len(experts) for r in routers for p in r.parameters()):
+            return True
+    return False
+
+
 def _user_chose(engine, model) -> bool:
     if any(getattr(m, "_z3_leaf", False) for m in model.modules()):
         return True
     zero = getattr(getattr(engine, "_config", None), "zero_config", None)
     return "leaf_module" in (getattr(zero, "model_fields_set", None) or ())
+
+
+def _tensors(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _input_grad(module, args):
+    """Forward pre-hook of the blocks zeroshim marks: where grad is enabled, the module has parameters that
+    require grad and none of its positional input tensors does (a block behind frozen layers, e.g. under LoRA),
+    its first floating-point positional tensor is replaced by a copy that requires grad.  DeepSpeed's leaf
+    hooks need one: 0.13.2-0.17.x count gradients arriving at such inputs (none: "A module cannot be set as a
+    leaf module when it does not have any input tensors that require gradients"); 0.18+ register a full
+    backward hook, which without such an input fires when the output's gradient arrives, before the module's
+    parameter gradients exist (then fails in backward).  The copy's values are the input's; nothing before the
+    block needs its gradient, so the training numbers are those of the unmarked block."""
+    import torch
+
+    with guard(NAME):
+        if not torch.is_grad_enabled() or any(t.requires_grad for t in _tensors(args)) \
+                or not any(p.requires_grad for p in module.parameters()):
+            return None
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+                stats["inputs_given_grad"] += 1
+                _log.warning("zeroshim[%s]: gave the input of ZeRO-3 leaf module %s a gradient (a copy that "
+                             "requires grad), because DeepSpeed's leaf hooks need one and its input needs none "
+                             "(it sits behind frozen layers). ZEROSHIM_ZERO3_MOE_LEAF=off turns this off.",
+                             NAME, type(module).__name__, scope=_log.RANK0, once=(NAME, "input grad"))
+                # clone: a non-leaf, so that a block that updates its input in place still may
+                return args[:i] + (arg.detach().requires_grad_().clone(),) + args[i + 1:]
+    return None
 
 
 def _configure(wrapped, instance, args, kwargs):
@@ -101,14 +199,19 @@ def _configure(wrapped, instance, args, kwargs):
         model = args[0] if args else kwargs.get("model")
         if is_active(NAME) and model is not None and instance.zero_optimization_stage() == 3 \
                 and not _user_chose(instance, model):
-            marked = [m for m in model.modules() if type(m).__name__ in MOE_BLOCKS and _per_expert(m)]
-            for module in marked:
+            named = [m for m in model.modules() if type(m).__name__ in MOE_BLOCKS and _per_expert(m)]
+            found = [m for m in model.modules() if type(m).__name__ not in MOE_BLOCKS and _routed_experts(m)]
+            for module in named + found:
                 module._z3_leaf = True
-            stats["marked"] += len(marked)
-            if marked:
+                if getattr(module, "_zeroshim_input_grad", None) is None:  # before DeepSpeed's leaf hooks
+                    module._zeroshim_input_grad = module.register_forward_pre_hook(_input_grad, prepend=True)
+            stats["marked"] += len(named) + len(found)
+            stats["by_structure"] += len(found)
+            if named or found:
                 _log.acted(NAME, "marked %d MoE block(s) (%s) as ZeRO-3 leaf modules (each gathered whole at its "
                                  "entry)", "ranks that route tokens to different experts otherwise gather different "
-                                 "parameters and hang", len(marked), ", ".join(sorted({type(m).__name__ for m in marked})))
+                                 "parameters and hang", len(named) + len(found),
+                           ", ".join(sorted({type(m).__name__ for m in named + found})))
     return wrapped(*args, **kwargs)
 
 

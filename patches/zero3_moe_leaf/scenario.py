@@ -1,20 +1,31 @@
-"""Scenario for patch ``zero3_moe_leaf``: a Mixture-of-Experts block whose
+"""Scenario for patch ``zero3_moe_leaf``: two Mixture-of-Experts blocks whose
 forward calls only the experts that got tokens (as transformers 4.52-4.57 and
-remote-code MoE models do), under ZeRO-3 on 2 ranks.  The block's class is
-named ``DeepseekV2MoE``, as remote-code DeepSeek-V2 names it; its router is
-frozen so that rank 0's tokens go to expert 0 and rank 1's to expert 1.
+remote-code MoE models do), under ZeRO-3 on 2 ranks.  One block's class is
+named ``DeepseekV2MoE``, as remote-code DeepSeek-V2 names it (zeroshim knows it
+by name); the other, ``CustomSparseMoe``, is in no list (zeroshim knows it by
+its structure: a ``router`` with one output per expert and a ``ModuleList`` of
+experts).  Their routers are frozen so that rank 0's tokens go to expert 0 and
+rank 1's to expert 1.
 
-* ``reference``: the same block calling every expert, also those without
+* ``reference``: the same blocks calling every expert, also those without
   tokens (the ranks' all-gathers pair up; the numbers any fix must reproduce);
-* ``--mode without``: skipping empty experts without zeroshim: the ranks
-  gather different experts and wait for each other; a watchdog records
+* ``frozen``: the same as ``reference`` behind a frozen input projection (as
+  behind a frozen embedding under LoRA): the blocks' input needs no grad.
+  Unmarked (``--mode without``) it trains; marked as a leaf, DeepSpeed
+  0.13.2-0.17.x raises "A module cannot be set as a leaf module when it does
+  not have any input tensors that require gradients ..." and 0.18+ reduces the
+  blocks' gradients before they are computed (its backward hook then fires on
+  the output's gradient): zeroshim must not turn this working run into either;
+* ``run`` (``--mode without``): skipping empty experts without zeroshim: the
+  ranks gather different experts and wait for each other; a watchdog records
   ``hang`` after ``--timeout`` seconds and ends the process (DeepSpeed
   releases that compare the ranks' module traces at the next step raise
   ``disagreement between rank0 and rank1`` instead: recorded as the error);
-* ``--mode with``: the same with zeroshim.
+* ``--mode with``: the same three with zeroshim.
 """
 
 import sys
+import traceback
 
 if "with" in sys.argv:
     import zeroshim  # noqa: F401
@@ -38,46 +49,72 @@ class Expert(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+def frozen_router():
+    router = nn.Linear(WIDTH, EXPERTS, bias=False)
+    with torch.no_grad():  # expert e <- input dimension e
+        router.weight.zero_()
+        router.weight[:, :EXPERTS] = torch.eye(EXPERTS)
+    return router.requires_grad_(False)
+
+
+def routed(x, route, experts, skip_empty):
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        rows = (route == e).nonzero().flatten()
+        if skip_empty and rows.numel() == 0:
+            continue  # what transformers 4.52+ and remote-code blocks do
+        out = out.index_add(0, rows, expert(x[rows]))
+    return out
+
+
 class DeepseekV2MoE(nn.Module):
+    """A block zeroshim knows by its class name."""
+
     def __init__(self, skip_empty: bool):
         super().__init__()
-        self.gate = nn.Linear(WIDTH, EXPERTS, bias=False)
-        with torch.no_grad():  # expert e <- input dimension e
-            self.gate.weight.zero_()
-            self.gate.weight[:, :EXPERTS] = torch.eye(EXPERTS)
-        self.gate.requires_grad_(False)
+        self.gate = frozen_router()
         self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
         self.skip_empty = skip_empty
 
     def forward(self, x):
-        route = self.gate(x).argmax(-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows = (route == e).nonzero().flatten()
-            if self.skip_empty and rows.numel() == 0:
-                continue  # what transformers 4.52+ and remote-code blocks do
-            out = out.index_add(0, rows, expert(x[rows]))
-        return out
+        return routed(x, self.gate(x).argmax(-1), self.experts, self.skip_empty)
+
+
+class CustomSparseMoe(nn.Module):
+    """A block in no list: zeroshim knows it by its structure (router + ModuleList of experts)."""
+
+    def __init__(self, skip_empty: bool):
+        super().__init__()
+        self.router = frozen_router()
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+        self.skip_empty = skip_empty
+
+    def forward(self, x):
+        return routed(x, self.router(x).argmax(-1), self.experts, self.skip_empty)
 
 
 class Net(nn.Module):
-    def __init__(self, skip_empty):
+    def __init__(self, skip_empty, frozen_input):
         super().__init__()
-        self.proj = nn.Linear(WIDTH, WIDTH)  # the block's input requires grad, as after attention in a real model
+        self.proj = nn.Linear(WIDTH, WIDTH)  # the blocks' input requires grad, as after attention in a real model
         with torch.no_grad():
             self.proj.weight.copy_(torch.eye(WIDTH))
             self.proj.bias.zero_()
+        self.proj.requires_grad_(not frozen_input)  # frozen: as behind a frozen embedding under LoRA
         self.moe = DeepseekV2MoE(skip_empty)
+        self.custom = CustomSparseMoe(skip_empty)
         self.head = nn.Linear(WIDTH, 1)
+        self.input_required_grad = []
 
     def forward(self, x):
         h = self.proj(x)
-        return self.head(h + self.moe(h)).float().pow(2).mean()
+        self.input_required_grad.append(h.requires_grad)
+        return self.head(h + self.moe(h) + self.custom(h)).float().pow(2).mean()
 
 
-def train(skip_empty: bool) -> dict:
+def train(skip_empty: bool, frozen_input: bool = False) -> dict:
     torch.manual_seed(0)
-    net = Net(skip_empty)
+    net = Net(skip_empty, frozen_input)
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(params, lr=1e-3),
                                       config=ds_config(3, micro_batch=2))
@@ -92,7 +129,7 @@ def train(skip_empty: bool) -> dict:
         engine.step()
         losses.append(loss.item())
     leaves = sorted(type(m).__name__ for m in net.modules() if getattr(m, "_z3_leaf", False))
-    return {"losses": losses, "leaves": leaves}
+    return {"losses": losses, "leaves": leaves, "input_required_grad": any(net.input_required_grad)}
 
 
 def main():
@@ -100,6 +137,11 @@ def main():
     init_distributed()
     results = {"versions": versions(), "mode": args.mode}
     results["reference"] = train(skip_empty=False)
+    try:  # DeepSpeed 0.13.2-0.17.x raise in the leaf's forward where its input needs no grad
+        results["frozen"] = train(skip_empty=False, frozen_input=True)
+    except Exception as exc:
+        traceback.print_exc()
+        results["frozen"] = {"error": f"{type(exc).__name__}: {exc}"}
 
     watch_for_hang(args, results, "run")
     try:
@@ -107,7 +149,7 @@ def main():
     except Exception as exc:  # DeepSpeed's trace check (reset_step) notices the ranks' differing modules
         results["run"] = {"error": f"{type(exc).__name__}: {exc}"}
     if "zeroshim" in sys.modules:
-        results["marked"] = sys.modules["zeroshim"].stats("zero3_moe_leaf")["marked"]
+        results["stats"] = sys.modules["zeroshim"].stats("zero3_moe_leaf")
         results["status"] = sys.modules["zeroshim"].status()["zero3_moe_leaf"].as_dict()
     end_hang_scenario(args, results, peers_may_hang="error" in results["run"] or args.mode == "without")
 
