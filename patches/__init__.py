@@ -31,4 +31,5 @@ PATCH_MODULES = (
     "zero3_peft_save",
     "zero_no_sync",
     "zero_config_float_sizes",
+    "zero_manual_accumulation",
 )
