@@ -49,7 +49,7 @@ def judge(ranks):
         with_ok = with_ok and (
             whole(fix["trainer"]) and fix["trainer"]["sha256"] == ref["trainer"]["sha256"]
             and whole(fix["custom"]["every_rank"])
-            and fix["custom"]["every_rank"]["sha256"] == ref["custom"]["every_rank"]["sha256"]
+            and fix["custom"]["every_rank"]["sha256"] == fix["custom"]["every_rank_by_hand"]["sha256"]
             and not fix["custom"]["rank0_only"].get("written")
             and (rank is not ranks[0] or REFUSAL in fix["custom"]["rank0_only"].get("error", "")))
         if rank is ranks[0]:
@@ -59,7 +59,7 @@ def judge(ranks):
             said_with = (f"Trainer.save_model: {_describe(fix['trainer'])} (= the 16-bit-gather save: "
                          f"{fix['trainer'].get('sha256') == ref['trainer'].get('sha256')}); save_pretrained on every "
                          f"rank: {_describe(fix['custom']['every_rank'])} (= gathered save: "
-                         f"{fix['custom']['every_rank'].get('sha256') == ref['custom']['every_rank'].get('sha256')}), "
+                         f"{fix['custom']['every_rank'].get('sha256') == fix['custom']['every_rank_by_hand'].get('sha256')}), "
                          f"on rank 0 alone: {'refused' if REFUSAL in fix['custom']['rank0_only'].get('error', '') else _describe(fix['custom']['rank0_only'])}")
     return said_without, said_with, bool(without_bug and with_ok)
 
