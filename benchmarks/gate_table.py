@@ -133,6 +133,11 @@ REQUIREMENTS = {
         ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),
         ("attr", E, "DeepSpeedEngine.no_sync"),
     ],
+    "zero_manual_accumulation": [
+        ("attr", E, "DeepSpeedEngine.allreduce_gradients"),
+        ("attr", E, "DeepSpeedEngine.is_gradient_accumulation_boundary"),
+        ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),
+    ],
     "zero_config_float_sizes": [
         ("params", "deepspeed.runtime.config", "get_zero_config", ("param_dict",)),
         ("attr", "deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
