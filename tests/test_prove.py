@@ -137,3 +137,20 @@ def test_cpu_forms_force_deepspeed_s_cpu_accelerator_and_hide_gpus(monkeypatch):
     assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["CUDA_VISIBLE_DEVICES"] == ""
     cuda = _launch.clean_env(_launch.device_of(("--device", "cuda")))
     assert cuda["DS_ACCELERATOR"] == "cuda" and cuda["CUDA_VISIBLE_DEVICES"] == "0"  # the GPU form: untouched
+
+
+def test_a_launch_that_fails_at_exit_after_writing_its_results_is_reported_as_such(monkeypatch, capsys, tmp_path):
+    from zeroshim import _launch
+
+    def fake_launch(target, nproc, out, *args, timeout=900):
+        return {"returncode": -6, "log": "done\nterminate called without an active exception\n",
+                "ranks": [{"ok": True}] * nproc}
+
+    monkeypatch.setattr(_launch, "launch", fake_launch)
+    stub(monkeypatch, "zero3_dummy_loss",
+         lambda launch, out, nproc, device: ("failed", "trained", bool(_prove.ranks_of(launch("x", 2, out)))))
+    assert _prove.main(args(patches="zero3_dummy_loss", keep=str(tmp_path))) == 0
+    [row] = json.loads(capsys.readouterr().out)["rows"]
+    assert row["proven"] is True and len(row["aborted_at_exit"]) == 1
+    assert "terminate called without an active exception" in row["aborted_at_exit"][0]
+    assert "judged by their results: 1 launch(es) failed at exit" in row["with"]

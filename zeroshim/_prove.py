@@ -144,10 +144,12 @@ def _launcher(device: str):
     def launch(target, nproc, out, *args, timeout=900):
         result = _launch.launch(target, nproc, out, *args, timeout=timeout)
         result["log_path"] = os.path.join(out, "log.txt")
-        if ABORT_AT_EXIT in result["log"] and None not in result["ranks"]:
-            result["aborted_at_exit"] = True
+        if result["returncode"] != 0 and None not in result["ranks"]:  # judged by its results; said in the row
+            launch.aborted.append(result["log_path"] + (f" ({ABORT_AT_EXIT})" if ABORT_AT_EXIT in result["log"]
+                                                        else f" (exit {result['returncode']})"))
         return result
 
+    launch.aborted = []  # launches whose ranks all wrote their results and then failed at exit
     return launch
 
 
@@ -173,6 +175,7 @@ def prove(names=None, nproc: int = 2, device: str = "cpu", keep: "str | None" = 
         else:
             echo(f"proving {name} ...")
             start = time.time()
+            launch.aborted.clear()
             try:
                 row["without"], row["with"], row["proven"] = judge.prove(launch, os.path.join(tmp_root, name),
                                                                          nproc, device)
@@ -182,6 +185,10 @@ def prove(names=None, nproc: int = 2, device: str = "cpu", keep: "str | None" = 
                 row["with"], row["proven"] = f"could not run: {str(exc)[:400]}", False
             except (KeyError, TypeError, ValueError) as exc:  # a result without what the judge reads
                 row["with"], row["proven"] = f"could not judge: {exc!r}", False
+            if launch.aborted:
+                row["aborted_at_exit"] = list(launch.aborted)
+                row["with"] += (f" [judged by their results: {len(launch.aborted)} launch(es) failed at exit after "
+                                f"every rank wrote them; log: {launch.aborted[0]}]")
             row["seconds"] = time.time() - start
         rows.append(row)
     return rows
