@@ -138,6 +138,10 @@ REQUIREMENTS = {
         ("attr", E, "DeepSpeedEngine.is_gradient_accumulation_boundary"),
         ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),
     ],
+    "zero3_gloo_gather": [
+        ("params", "deepspeed.runtime.zero.partition_parameters", "Init._allgather_params_coalesced",
+         ("param_list", "hierarchy", "quantize")),
+    ],
     "zero_config_float_sizes": [
         ("params", "deepspeed.runtime.config", "get_zero_config", ("param_dict",)),
         ("attr", "deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),

@@ -32,4 +32,5 @@ PATCH_MODULES = (
     "zero_no_sync",
     "zero_config_float_sizes",
     "zero_manual_accumulation",
+    "zero3_gloo_gather",
 )

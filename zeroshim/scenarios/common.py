@@ -20,21 +20,34 @@ import torch.distributed as dist
 IMPORT_COMPAT_PATCHES = ("torch_elastic_compat", "numpy2_compat")
 
 
-def import_deepspeed():
+#: what a scenario may ask :func:`import_deepspeed` to keep fixed in its runs "without zeroshim"
+GATHER_FIX = "zero3_gloo_gather"
+
+
+def import_deepspeed(fix_gloo_gathers: bool = False):
     """Import deepspeed *without* zeroshim's fixes.
 
     DeepSpeed < 0.14.4 cannot even be imported on current torch (or numpy 2);
     there, and only there, zeroshim is imported restricted to its import-compat
     patches (the least that makes DeepSpeed importable; each still follows its
-    own version gate).  :func:`enable_zeroshim` lifts the restriction later."""
+    own version gate).  ``fix_gloo_gathers``: also keep patch
+    ``zero3_gloo_gather`` on (it follows its own gate: DeepSpeed < 0.19.8), for
+    a scenario whose runs without zeroshim go through DeepSpeed's blocking
+    ZeRO-3 gathers and are compared bit for bit (e.g. ``from_pretrained``'s
+    ZeRO-3 load): on gloo those gathers now and then read unwritten memory, so
+    the comparison would measure that race instead of the patch under test.
+    :func:`enable_zeroshim` lifts the restriction later."""
     from importlib.metadata import version
 
     from packaging.version import Version
 
-    if "zeroshim" not in sys.modules and Version(version("deepspeed")) < Version("0.14.4"):
+    keep = list(IMPORT_COMPAT_PATCHES) if Version(version("deepspeed")) < Version("0.14.4") else []
+    if fix_gloo_gathers:
+        keep.append(GATHER_FIX)
+    if "zeroshim" not in sys.modules and keep:
         import zeroshim
 
-        zeroshim.configure(only=list(IMPORT_COMPAT_PATCHES))
+        zeroshim.configure(only=keep)
     import deepspeed
 
     return deepspeed
@@ -142,7 +155,8 @@ def param_digest(engine, values: bool = False) -> dict:
     Under ZeRO-3 that is the rank's own shard (``ds_tensor``), read without any
     collective: gathering full parameters for the digest once read
     uninitialised memory on one rank under CPU load (DeepSpeed 0.14.1, 2 ranks;
-    the other rank's gathered view of the same shard was correct).  Compare
+    the other rank's gathered view of the same shard was correct -- the race
+    patch ``zero3_gloo_gather`` fixes, present in runs without zeroshim).  Compare
     digests rank by rank."""
     digest = hashlib.sha256()
     sums, flat = {}, []

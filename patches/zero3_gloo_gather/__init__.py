@@ -1,0 +1,132 @@
+"""Wait for every all-gather of a blocking ZeRO-3 gather on gloo, not only the last one.
+
+Symptom
+    Silent: under ZeRO-3 on a gloo process group (CPU training, DeepSpeed's
+    own multi-rank CPU tests, any run with ``dist_backend="gloo"``), a
+    parameter read inside ``deepspeed.zero.GatheredParameters`` over several
+    parameters now and then holds uninitialised memory or another tensor's
+    values instead of its own (``-3.5e13``, denormals, NaN, or a plausible
+    ``0.04`` for ``0.07``).  Nothing is raised.  Where the gather has
+    ``modifier_rank=0`` -- the consolidated state dict of
+    ``save_16bit_model`` and of Trainer's ZeRO-3 save, ``from_pretrained``'s
+    ZeRO-3 load -- its exit broadcasts rank 0's half-written copy into every
+    rank's shard, so the saved file is wrong *and* the model being trained
+    changes, or a late all-gather overwrites freshly loaded weights
+    (deepspeedai/DeepSpeed#8539).  Measured on this 2-core machine, DeepSpeed
+    0.16.9, 2 ranks: 30 of 600 gathers of 8 parameters read a wrong one, 96 of
+    100 consolidated state dicts were wrong, and the engine then trained to
+    other losses; in zeroshim's own CI one such load gave a loss of 1.6e34,
+    another a model that differed from the same load in the same process.
+
+Cause
+    ``Init._allgather_params_coalesced`` (the blocking path of
+    ``_all_gather``, taken for two or more parameters) launches one async
+    all-gather per parameter into ``torch.empty`` buffers, waits on the last
+    handle only, points each ``param.data`` at its buffer and calls
+    ``get_accelerator().synchronize()``.  On CUDA/NCCL the all-gathers run in
+    order on one stream and the synchronize covers them all.  On gloo each
+    async work runs on the process group's worker threads, in no order
+    relative to the others, and the CPU accelerator's ``synchronize()`` does
+    nothing: waiting on the last handle says nothing about the earlier ones,
+    so the caller can read a buffer before its all-gather has written it.
+
+Affected versions
+    DeepSpeed < 0.19.8 with a gloo process group, read from the released
+    sdists: 0.14.1, 0.16.9, 0.19.2, 0.19.3, 0.19.4, 0.19.5, 0.19.6 and 0.19.7
+    wait on ``launch_handles[-1]`` only; 0.19.8 waits on every handle
+    (#8539).  The code dates from 2021 (#1188).  The source fingerprint is
+    the line ``launch_handles[-1].wait()``.  NCCL (and other backends whose
+    collectives complete in launch order) is not affected and is left alone.
+
+Flag
+    ``ZEROSHIM_ZERO3_GLOO_GATHER=auto|on|off`` (default ``auto``).
+
+Fix
+    ``Init._allgather_params_coalesced`` is wrapped: when its process group
+    is gloo and it is given two or more parameters, DeepSpeed's own
+    ``_allgather_params_coalesced`` is called once per parameter, so the
+    handle it waits on is that parameter's only one.  Every rank issues the
+    same all-gathers in the same order as before (the order of the
+    parameters), so ranks need not agree on anything; only the overlap of
+    one parameter's all-gather with the next is given up, on gloo.  One INFO
+    line on global rank 0 the first time.  Measured (2 ranks, gloo, the
+    scenario above, DeepSpeed 0.14.1, 0.16.9 and 0.19.2): every gather and
+    every consolidated state dict read the parameters exactly, and the engine
+    then trained to the losses and shards of one that gathered nothing, bit
+    for bit.  Cost, on gloo only: the gathers of several parameters lose
+    their overlap -- 200 gathers of 32 parameters of 4096 floats took 4.0 -
+    4.4 s instead of 1.5 - 1.7 s (3 interleaved pairs, 2 ranks, 0.16.9).
+    Training steps do not take this path (their prefetching gathers use
+    ``all_gather_coalesced``, one all-gather per bucket) and are not slowed.
+
+Undo
+    ``zeroshim.unpatch("zero3_gloo_gather")`` restores
+    ``Init._allgather_params_coalesced``.
+"""
+
+from __future__ import annotations
+
+from zeroshim import _log
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require_attr, require_params
+from zeroshim._source import Fingerprint
+
+NAME = "zero3_gloo_gather"
+#: split: blocking gathers of several parameters on gloo run one parameter at a time
+stats = {"split": 0}
+
+
+def _on_gloo(init, params) -> bool:
+    import torch.distributed as dist
+
+    group_of = getattr(init, "get_partition_dp_group", None)
+    group = group_of(params[0]) if callable(group_of) else getattr(init, "ds_process_group", None)
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+
+def _bind(param_list, hierarchy=0, quantize=False):
+    return list(param_list), hierarchy, quantize
+
+
+def _allgather_params_coalesced(wrapped, instance, args, kwargs):
+    """Wraps ``Init._allgather_params_coalesced(param_list, hierarchy=0, quantize=False)``."""
+    split = None
+    with guard(NAME):
+        params, hierarchy, quantize = _bind(*args, **kwargs)
+        if len(params) > 1 and is_active(NAME) and getattr(instance, "num_partitions", 1) > 1 \
+                and _on_gloo(instance, params):
+            split = params
+            stats["split"] += 1
+            _log.info("zeroshim[%s]: ZeRO-3 gathers of several parameters on gloo wait for each parameter's "
+                      "all-gather (DeepSpeed < 0.19.8 waits on the last one only and can read unwritten "
+                      "memory); %s=off turns this off", NAME, f"ZEROSHIM_{NAME.upper()}", once=(NAME, "acted"))
+    if split is None:
+        return wrapped(*args, **kwargs)
+    for param in split:
+        wrapped([param], hierarchy, quantize=quantize)
+    return None
+
+
+def patch_partition_parameters(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "Init")
+    require_params(require_attr(cls, "_allgather_params_coalesced"), "param_list", "hierarchy", "quantize")
+    patcher.wrap(cls, "_allgather_params_coalesced", _allgather_params_coalesced)
+
+
+def _reset() -> None:
+    stats.update(split=0)
+    _log.forget((NAME, "acted"))
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="ZeRO-3 on gloo (CPU): GatheredParameters over several parameters, save_16bit_model and ZeRO-3 loads "
+            "now and then read unwritten memory; with modifier_rank=0 the model itself changes, silently",
+    signatures=(),
+    versions="DeepSpeed < 0.19.8 with a gloo process group (NCCL untouched)",
+    affects={"deepspeed": "<0.19.8"},
+    fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"launch_handles\[-1\]\.wait\(\)",
+                            "the wait on the last all-gather handle only in _allgather_params_coalesced (#8539)"),
+    targets={"deepspeed.runtime.zero.partition_parameters": patch_partition_parameters},
+    on_undo=_reset,
+)

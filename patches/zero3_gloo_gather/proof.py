@@ -1,0 +1,44 @@
+"""The judge of patch ``zero3_gloo_gather`` (shared by tests/test_zero3_gloo_gather.py and ``zeroshim prove``):
+repeated blocking ZeRO-3 gathers and consolidated state dicts of a 4-layer MLP on gloo, then training, 2 ranks."""
+
+from zeroshim._prove import ranks_of
+
+NAME = "zero3_gloo_gather"
+ARGS = ()
+
+
+def _count(run: dict, rank: int) -> str:
+    if not run.get("ok"):
+        return f"rank {rank}: {run.get('error', '?')}"
+    text = f"rank {rank}: {run['wrong_gathers']} of {run['gathers']} gathers"
+    if run["saves"]:
+        text += f", {run['wrong_saves']} of {run['saves']} consolidated state dicts"
+    first = run["first_wrong"] or run["first_wrong_save"]
+    return text + (f" read garbage (e.g. {first})" if first else " read the parameters exactly")
+
+
+def _wrong(run: dict) -> int:
+    return run["wrong_gathers"] + run["wrong_saves"]
+
+
+def _trains_as(run: dict, reference: dict) -> bool:
+    return run["losses"] == reference["losses"] and run["param_sha256"] == reference["param_sha256"]
+
+
+def judge(ranks) -> "tuple[str, str, bool]":
+    """Proven: without zeroshim at least one gather or state dict on some rank read anything but the
+    parameters (the race; silent), and with zeroshim every one on every rank read them exactly and
+    the engine then trained to the losses and shards of the reference (which gathered nothing), bit
+    for bit."""
+    without = "no zeroshim: " + "; ".join(_count(r["without"], i) for i, r in enumerate(ranks))
+    with_ = "with zeroshim: " + "; ".join(_count(r["with"], i) for i, r in enumerate(ranks))
+    runs_ok = bool(ranks) and all(r[k].get("ok") for r in ranks for k in ("reference", "without", "with"))
+    if runs_ok and not all(_trains_as(r["without"], r["reference"]) for r in ranks):
+        without += "; then trained to other losses/parameters than the reference (the model itself was changed)"
+    proven = runs_ok and sum(_wrong(r["without"]) for r in ranks) > 0
+    proven = proven and all(_wrong(r["with"]) == 0 and _trains_as(r["with"], r["reference"]) for r in ranks)
+    return without, with_, bool(proven)
+
+
+def prove(launch, out, nproc, device):
+    return judge(ranks_of(launch(NAME, nproc, out, *ARGS)))
