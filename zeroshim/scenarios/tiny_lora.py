@@ -28,7 +28,8 @@ def fill_shards(model, scale: float = 0.05) -> None:
     by writing each rank's own shard, without a collective.  (Writing it through
     ``GatheredParameters(modifier_rank=0)`` instead gave both ranks a different
     step-0 loss in 2 of about 16 two-rank runs of this scenario on the 2-core
-    CI machine, in runs without zeroshim too; not investigated further.)"""
+    CI machine, in runs without zeroshim too: DeepSpeed's gather race on gloo
+    that patch ``zero3_gloo_gather`` fixes.)"""
     rank = torch.distributed.get_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
