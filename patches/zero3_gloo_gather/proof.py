@@ -12,9 +12,9 @@ def _count(run: dict, rank: int) -> str:
         return f"rank {rank}: {run.get('error', '?')}"
     text = f"rank {rank}: {run['wrong_gathers']} of {run['gathers']} gathers"
     if run["saves"]:
-        text += f", {run['wrong_saves']} of {run['saves']} consolidated state dicts"
+        text += f" and {run['wrong_saves']} of {run['saves']} consolidated state dicts"
     first = run["first_wrong"] or run["first_wrong_save"]
-    return text + (f" read garbage (e.g. {first})" if first else " read the parameters exactly")
+    return text + (f" wrong (e.g. {first})" if first else " wrong")
 
 
 def _wrong(run: dict) -> int:
