@@ -149,6 +149,15 @@ REQUIREMENTS = {
         ("source", "deepspeed.runtime.config_utils", r"(?m)^from pydantic import [^\n]*\bBaseModel\b",
          "DeepSpeedZeroConfig.model_fields (pydantic v2 BaseModel)"),
     ],
+    "zero3_inflight_params": [
+        ("attr", PPC, "PartitionedParameterCoordinator"),
+        ("attr", PPC, "iter_params"),
+        # require_attr(cls, "_PartitionedParameterCoordinator__release_param"): the mangled name of this method
+        ("attr", PPC, "PartitionedParameterCoordinator.__release_param"),
+        ("attr", PPC, "PartitionedParameterCoordinator.reset_step"),
+        ("attr", PPC, "PartitionedParameterCoordinator._invalidate_trace"),
+        ("attr", PPC, "PartitionedParameterCoordinator.release_and_reset_all"),
+    ],
 }
 
 

@@ -33,4 +33,5 @@ PATCH_MODULES = (
     "zero_config_float_sizes",
     "zero_manual_accumulation",
     "zero3_gloo_gather",
+    "zero3_inflight_params",
 )
