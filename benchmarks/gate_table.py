@@ -149,6 +149,7 @@ REQUIREMENTS = {
         ("source", "deepspeed.runtime.config_utils", r"(?m)^from pydantic import [^\n]*\bBaseModel\b",
          "DeepSpeedZeroConfig.model_fields (pydantic v2 BaseModel)"),
     ],
+    "zero_auto_hidden_size": [],
     "zero3_inflight_params": [
         ("attr", PPC, "PartitionedParameterCoordinator"),
         ("attr", PPC, "iter_params"),

@@ -34,4 +34,5 @@ PATCH_MODULES = (
     "zero_manual_accumulation",
     "zero3_gloo_gather",
     "zero3_inflight_params",
+    "zero_auto_hidden_size",
 )
