@@ -150,6 +150,10 @@ REQUIREMENTS = {
          "DeepSpeedZeroConfig.model_fields (pydantic v2 BaseModel)"),
     ],
     "zero_auto_hidden_size": [],
+    "zero3_mixed_dtype_gather": [
+        ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",
+         ("param_list", "async_op", "hierarchy")),
+    ],
     "zero3_inflight_params": [
         ("attr", PPC, "PartitionedParameterCoordinator"),
         ("attr", PPC, "iter_params"),

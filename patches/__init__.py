@@ -35,4 +35,5 @@ PATCH_MODULES = (
     "zero3_gloo_gather",
     "zero3_inflight_params",
     "zero_auto_hidden_size",
+    "zero3_mixed_dtype_gather",
 )
