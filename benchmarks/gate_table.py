@@ -154,6 +154,7 @@ REQUIREMENTS = {
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",
          ("param_list", "async_op", "hierarchy")),
     ],
+    "zero3_conversion_dropped_keys": [],
     "zero3_inflight_params": [
         ("attr", PPC, "PartitionedParameterCoordinator"),
         ("attr", PPC, "iter_params"),

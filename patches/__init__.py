@@ -36,4 +36,5 @@ PATCH_MODULES = (
     "zero3_inflight_params",
     "zero_auto_hidden_size",
     "zero3_mixed_dtype_gather",
+    "zero3_conversion_dropped_keys",
 )
