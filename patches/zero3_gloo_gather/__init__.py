@@ -85,7 +85,7 @@ def _on_gloo(init, params) -> bool:
 
 
 def _bind(param_list, hierarchy=0, quantize=False):
-    return list(param_list), hierarchy, quantize
+    return param_list, hierarchy, quantize
 
 
 def _allgather_params_coalesced(wrapped, instance, args, kwargs):
@@ -93,8 +93,8 @@ def _allgather_params_coalesced(wrapped, instance, args, kwargs):
     split = None
     with guard(NAME):
         params, hierarchy, quantize = _bind(*args, **kwargs)
-        if len(params) > 1 and is_active(NAME) and getattr(instance, "num_partitions", 1) > 1 \
-                and _on_gloo(instance, params):
+        many = isinstance(params, (list, tuple)) and len(params) > 1  # DeepSpeed passes lists
+        if many and is_active(NAME) and getattr(instance, "num_partitions", 1) > 1 and _on_gloo(instance, params):
             split = params
             stats["split"] += 1
             _log.info("zeroshim[%s]: ZeRO-3 gathers of several parameters on gloo wait for each parameter's "

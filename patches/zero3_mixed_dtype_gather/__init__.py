@@ -94,8 +94,8 @@ def _all_gather(wrapped, instance, args, kwargs):
     groups = None
     with guard(NAME):
         params, async_op, hierarchy = _bind(*args, **kwargs)
-        if not async_op and is_active(NAME) and getattr(instance, "num_partitions", 1) > 1:
-            params = list(params)
+        if not async_op and isinstance(params, (list, tuple)) and is_active(NAME) \
+                and getattr(instance, "num_partitions", 1) > 1:  # DeepSpeed passes lists
             groups = _by_dtype(params)
             if groups is not None:
                 stats["regrouped"] += 1
