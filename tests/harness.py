@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from zeroshim import _launch
+from zeroshim._prove import ABORT_AT_EXIT
 
 # The scenarios ship inside the package, in each patch's folder (zeroshim prove runs them too): the
 # installed copy is tested.
@@ -93,7 +94,17 @@ def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | Non
     ``<patch>/<script>.py`` -- from the installed copy, on ``nproc`` ranks; return
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
     result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=TIMEOUT)
-    if check and (result["returncode"] != 0 or None in result["ranks"]):
+    # Every rank wrote its results (the scenario's last step) and a rank then aborted at interpreter exit
+    # ("terminate called without an active exception", issue #31 item 8; with and without zeroshim): judged
+    # by the results, as `zeroshim prove` does, and said in the test output.
+    result["aborted_at_exit"] = (result["returncode"] != 0 and None not in result["ranks"]
+                                 and ABORT_AT_EXIT in result["log"])
+    if result["aborted_at_exit"]:
+        import warnings
+
+        warnings.warn(f"{target} on {nproc} rank(s): every rank wrote its results, then the launch exited "
+                      f"{result['returncode']} ({ABORT_AT_EXIT}); judged by the results", stacklevel=2)
+    elif check and (result["returncode"] != 0 or None in result["ranks"]):
         raise AssertionError(f"{target} on {nproc} rank(s) exited {result['returncode']}; log tail:\n"
                              + result["log"][-6000:])
     return result

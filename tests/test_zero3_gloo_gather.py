@@ -54,3 +54,14 @@ def test_split_only_where_affected(ranks):
             assert rank["stats"]["split"] >= 600  # every gather of the 8 parameters, and the state dicts' 2-parameter ones
         else:
             assert rank["stats"]["split"] == 0
+
+
+def test_training_with_persistent_parameters(ranks):
+    # default persistence threshold: every parameter persistent, gathered by _post_step after every step
+    for rank in ranks:
+        ref, with_ = rank["persistent/reference"], rank["persistent/with"]
+        assert ref["ok"] and with_["ok"], (ref.get("error"), with_.get("error"))
+        assert ref["persistent"] == 0 and with_["persistent"] == 48 * 2  # 24 Linear + 24 LayerNorm, weight + bias
+        assert with_["losses"] == ref["losses"]  # bit for bit
+        if not AFFECTED:
+            assert rank["persistent/without"]["losses"] == ref["losses"]

@@ -37,6 +37,12 @@ def judge(ranks) -> "tuple[str, str, bool]":
         without += "; then trained to other losses/parameters than the reference (the model itself was changed)"
     proven = runs_ok and sum(_wrong(r["without"]) for r in ranks) > 0
     proven = proven and all(_wrong(r["with"]) == 0 and _trains_as(r["with"], r["reference"]) for r in ranks)
+    # ordinary training whose persistent parameters take the gather after every step: as nothing persistent
+    persistent = all(r["persistent/with"].get("ok") and r["persistent/reference"].get("ok") and
+                     r["persistent/with"]["losses"] == r["persistent/reference"]["losses"] for r in ranks)
+    if runs_ok and not persistent:
+        with_ += "; but training with persistent parameters ended elsewhere than with none persistent"
+    proven = proven and persistent
     return without, with_, bool(proven)
 
 

@@ -9,7 +9,14 @@ ARGS = ()
 
 
 def judge(ranks):
-    return failed_vs_equal(ranks, "without", "with", "reference", patch=NAME)
+    """Proven: without zeroshim the gather fails with this patch's signature; with zeroshim the run equals
+    the reference; and with this patch alone (zero3_gloo_gather off: on gloo that patch also gathers one
+    parameter at a time, which hides this bug) the run trains and this patch regrouped its gathers."""
+    without, with_, proven = failed_vs_equal(ranks, "without", "with", "reference", patch=NAME)
+    alone = all(r["alone"].get("ok") and r.get("regrouped_alone", 0) > 0 for r in ranks)
+    if proven and not alone:
+        with_ += "; but with this patch alone (zero3_gloo_gather off) it did not train, or regrouped nothing"
+    return without, with_, bool(proven and alone)
 
 
 def prove(launch, out, nproc, device):

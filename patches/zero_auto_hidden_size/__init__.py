@@ -42,7 +42,10 @@ Affected versions
     then raises "`zero_optimization.reduce_bucket_size` not found in kwargs"
     (read, not run; not handled here).  The source fingerprint is that raise in a file that never
     mentions ``text_config``.  Not affected: HF Trainer on transformers >=
-    4.46.0 (4.46.0, 4.46.3, 4.48.3, 4.49.0, 4.57.6, 5.0.0, 5.23.0, 5.24.0 read;
+    4.46.0 with a ZeRO-3 config (it fills the ``stage3_*`` entries only when
+    the config is ZeRO-3, so a ZeRO-1/2 config that keeps them "auto" still
+    reaches accelerate's check: read in 4.57 and accelerate 1.15, not run; the
+    patch fills them there too) (4.46.0, 4.46.3, 4.48.3, 4.49.0, 4.57.6, 5.0.0, 5.23.0, 5.24.0 read;
     4.45.2 and older raise "The model's config file has neither
     `hidden_size` nor `hidden_sizes` entry" in Trainer itself, before
     accelerate: not handled here).  Which models lack a top-level
@@ -171,7 +174,7 @@ PATCH = Patch(
     summary="accelerator.prepare with \"auto\" ZeRO bucket sizes on a multimodal model (hidden size only in "
             "text_config): \"Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`\"",
     signatures=(r"Can find neither `model\.config\.hidden_size` nor `model\.config\.hidden_sizes`",),
-    versions="accelerate ≥ 0.26.0 (accelerate's own DeepSpeed preparation; HF Trainer ≥ 4.46 fills them itself)",
+    versions="accelerate ≥ 0.26.0 (accelerate's own DeepSpeed preparation; HF Trainer ≥ 4.46 fills them itself at ZeRO-3)",
     affects={"accelerate": ">=0.26.0"},
     fingerprint=Fingerprint("accelerate.accelerator",
                             r"(?s)\A(?!.*\btext_config\b).*Can find neither `model\.config\.hidden_size`",
