@@ -67,15 +67,20 @@ def engine_of() -> "deepspeed.DeepSpeedEngine":
     return engine
 
 
-def train(engine) -> dict:
+def steps(engine, count: int, width: int) -> list:
+    """``count`` optimizer steps on fp32 inputs drawn per rank (the same in every run); the losses."""
     gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     losses = []
-    for _ in range(STEPS):
-        loss = engine(torch.randn(2, 32, generator=gen)).pow(2).mean()
+    for _ in range(count):
+        loss = engine(torch.randn(2, width, generator=gen)).pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"losses": losses, **param_digest(engine)}
+    return losses
+
+
+def train(engine) -> dict:
+    return {"losses": steps(engine, STEPS, 32), **param_digest(engine)}
 
 
 def reference_run() -> dict:
@@ -118,14 +123,8 @@ def persistent_run(threshold_zero: bool) -> dict:
         del config["zero_optimization"]["stage3_param_persistence_threshold"]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                                       config=config)
-    gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
-    losses = []
-    for _ in range(PERSISTENT_STEPS):
-        loss = engine(torch.randn(2, 64, generator=gen)).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return {"losses": losses, "persistent": len(getattr(engine.optimizer, "persistent_parameters", []))}
+    return {"losses": steps(engine, PERSISTENT_STEPS, 64),
+            "persistent": len(getattr(engine.optimizer, "persistent_parameters", []))}
 
 
 def main():
