@@ -47,6 +47,17 @@ Fix
     ``multiprocessing``, ``subprocess``, persistent workers started later)
     is left as it is.
 
+    Marks zeroshim did not set are left alone: before marking, one pass over
+    ``/proc/self/smaps`` (the ``dc`` flag in ``VmFlags``, VM_DONTCOPY) finds
+    the parts of those pages that already carry ``MADV_DONTFORK`` (an RDMA
+    library's ``ibv_fork_init``, a driver, the program's own ``madvise``);
+    zeroshim neither marks nor unmarks them, and afterwards unmarks exactly
+    what it marked.  Where smaps cannot be read (or has no ``VmFlags``, Linux
+    < 3.8) nothing is marked, and the reason is logged once at INFO.  The read
+    costs about 25 ms per worker start on a 2-core test machine (555
+    mappings, 1 GB of offloaded buffers); its cost grows with the process's
+    mappings and resident memory (the kernel walks them to write smaps).
+
     Why this and not the alternatives (measured, numbers in RESULTS.md):
     persistent workers started before the optimizer state exists still copy
     the fp32 master weights and parameter partitions written in epoch 1; a
@@ -60,8 +71,45 @@ Fix
     marked (the first and last 64 bytes and their pages are not), so the
     allocator's chunk headers stay in the child and freeing such a tensor in
     a worker, if it ever happened, does not touch a missing page.  The marks
-    are removed right after the fork, so they never outlive it.  Nothing
-    changes numerically (tested bit for bit).
+    are removed right after the workers are started (also when starting them
+    raises), so they never outlive it.  Nothing changes numerically (tested
+    bit for bit).
+
+    Other threads' forks: while the marks are set (the window), a fork from
+    any other thread (``os.fork``, a ``multiprocessing`` fork ``Pool`` or
+    ``Process``, an async checkpoint writer, a tokenizer pool) would give its
+    child an address space without those pages, and the child would crash
+    on reading them.  An ``os.register_at_fork`` hook (registered once;
+    outside a window it only counts the forks in flight, after an undo it
+    does nothing) removes zeroshim's marks before such a fork and sets them
+    again after it (tested: the other thread's child reads the buffer and
+    exits normally; without the hook it is killed by SIGSEGV).  Neither that
+    thread nor the workers ever wait: blocking the other thread until the
+    window closes deadlocks when it holds a lock that another at-fork hook
+    registered after zeroshim's took before it (``concurrent.futures``'
+    shutdown lock): the workers' own forks then wait for that lock
+    (reproduced in a standalone script).  A worker forked while another
+    thread's fork is in flight keeps the pages (memory, as without zeroshim,
+    never a crash).  Two DataLoaders starting workers in two threads take
+    turns.  ``subprocess`` without ``preexec_fn`` forks (or vforks) in C
+    without running Python's at-fork hooks (checked) and executes a new
+    program at once: its child never reads those pages and is not harmed;
+    with ``preexec_fn`` the hooks run and its child has every page.  A fork made
+    from C code that bypasses Python's hooks (a C library calling ``fork()``
+    directly) during the window is not covered, nor is a mark another thread
+    sets on the same pages during the window (zeroshim removes it with its
+    own).
+
+    ``pin_memory=True``: the DataLoader's option starts a pin-memory *thread*
+    in the parent (torch's dataloader.py), nothing is forked for it, and
+    without an accelerator torch ignores it with a warning (run here: no
+    thread).  DeepSpeed's ``offload_optimizer.pin_memory`` /
+    ``offload_param.pin_memory`` page-lock the offloaded buffers through the
+    accelerator (``tensor.pin_memory()`` on CUDA; unchanged on the CPU
+    accelerator): on CUDA such pages are marked and unmarked like any other
+    (read, not run: no GPU here); any ``MADV_DONTFORK`` a driver put on them
+    is found in smaps and left as it is; a ``madvise`` the kernel refuses is
+    counted (``madvise_errors``) and that range is then not unmarked.
 
     Not covered: ``persistent_workers=True`` loaders created before the engine
     (their workers already exist), and NVMe offload's swap buffers (small,
@@ -74,7 +122,11 @@ Undo
 
 from __future__ import annotations
 
+import bisect
+import os
+import re
 import sys
+import threading
 
 from zeroshim import _engines, _log, _memory
 from zeroshim._core import Patch, is_active
@@ -86,7 +138,8 @@ _EDGE = 64           # bytes kept forkable at each end of a buffer (allocator he
 MADV_DOFORK, MADV_DONTFORK = 11, 10  # <asm-generic/mman-common.h>
 
 #: counts since import (introspection and tests)
-stats = {"forks": 0, "buffers": 0, "bytes": 0, "madvise_errors": 0, "trimmed": 0}
+stats = {"forks": 0, "buffers": 0, "bytes": 0, "madvise_errors": 0, "trimmed": 0, "foreign_bytes": 0,
+         "other_forks": 0, "skipped": 0}
 _libc: dict = {}
 
 
@@ -164,15 +217,137 @@ def _interior_pages(address: int, size: int, page: int):
     return (start, end - start) if end > start else None
 
 
-def _madvise(ranges, advice: int) -> int:
+def _madvise(ranges, advice: int) -> list:
+    """``madvise(start, length, advice)`` for each ``(start, length)``; the ranges where it succeeded."""
     libc = _libc.get("libc")
-    done = 0
+    done = []
     for start, length in ranges:
         if libc.madvise(start, length, advice) == 0:
-            done += 1
+            done.append((start, length))
         else:
             stats["madvise_errors"] += 1
     return done
+
+
+# -- marks that are not zeroshim's -------------------------------------------------------
+# One smaps record per mapping: a header line "start-end perms offset dev inode [path]" (lower-case
+# hex first), fields, and last "VmFlags: rd wr mr mw me dc ac sd" (Linux >= 3.8; ``dc``: VM_DONTCOPY).
+_SMAPS_RECORD = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) |^VmFlags:([^\n]*)", re.M)
+
+
+def _mappings(ranges):
+    """The mappings that overlap ``ranges`` (sorted ``(start, length)``), as sorted ``(start, end,
+    dontcopy)`` read from ``/proc/self/smaps`` in one pass; None (and why) if that cannot be read."""
+    try:
+        with open("/proc/self/smaps", "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        return None, f"/proc/self/smaps cannot be read ({exc})"
+    low, high = ranges[0][0], max(start + length for start, length in ranges)
+    starts = [start for start, _ in ranges]
+    found, current, flags_seen = [], None, False
+    for match in _SMAPS_RECORD.finditer(data):
+        if match.group(1) is not None:
+            start, end = int(match.group(1), 16), int(match.group(2), 16)
+            current = (start, end) if start < high and end > low else None
+            continue
+        flags_seen = True
+        if current is None:
+            continue
+        start, end = current
+        i = bisect.bisect_right(starts, start) - 1  # the last range starting at or before this mapping
+        if (i >= 0 and ranges[i][0] + ranges[i][1] > start) or (i + 1 < len(ranges) and ranges[i + 1][0] < end):
+            found.append((start, end, b"dc" in match.group(3).split()))
+        current = None
+    if not flags_seen:
+        return None, "/proc/self/smaps has no VmFlags lines (Linux < 3.8)"
+    return found, ""
+
+
+def _split(ranges, mappings):
+    """``(to mark, already marked)``: the parts of ``ranges`` in mappings without VM_DONTCOPY (adjacent
+    parts merged), and the parts already carrying it (someone else's mark: left as it is).  Parts in no
+    mapping are in neither."""
+    mark, kept = [], []
+    starts = [start for start, _, _ in mappings]
+    for start, length in ranges:
+        end = start + length
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(mappings) and mappings[i][0] < end:
+            lo, hi = max(start, mappings[i][0]), min(end, mappings[i][1])
+            if hi > lo:
+                into = kept if mappings[i][2] else mark
+                if into and into[-1][0] + into[-1][1] == lo:
+                    into[-1] = (into[-1][0], hi - into[-1][0])
+                else:
+                    into.append((lo, hi - lo))
+            i += 1
+    return mark, kept
+
+
+# -- the window: from the marks to their removal ------------------------------------------
+# Only one window at a time (a second DataLoader starting workers in another thread waits for it).
+# A fork from any other thread while it is open lifts zeroshim's marks for that fork (at-fork hooks,
+# below) and puts them back after it: that thread's child gets every page, the window's own forks (the
+# workers) never wait.  ``_lock`` guards ``_window`` and is held only around madvise calls.
+_window = {"owner": None, "ranges": [], "marked": False, "forking": 0}
+_window_lock = threading.Lock()
+_lock = threading.Lock()
+_thread = threading.local()
+_hooks = {"registered": False, "active": False}
+
+
+def _before_fork() -> None:
+    """``os.register_at_fork(before=...)``: runs in the forking thread before every ``os.fork()``."""
+    if (not _hooks["active"] and _window["owner"] is None) or _window["owner"] == threading.get_ident():
+        return  # no window (or unpatched), or the window's own fork (a worker): nothing to do
+    with guard(NAME):
+        with _lock:
+            _window["forking"] += 1
+            _thread.forking = True
+            if _window["marked"]:
+                _madvise(_window["ranges"], MADV_DOFORK)
+                _window["marked"] = False
+                stats["other_forks"] += 1
+
+
+def _after_fork_in_parent() -> None:
+    if not getattr(_thread, "forking", False):
+        return
+    with guard(NAME):
+        with _lock:
+            _thread.forking = False
+            _window["forking"] -= 1
+            if not _window["forking"] and _window["owner"] is not None and not _window["marked"]:
+                _window["ranges"] = _madvise(_window["ranges"], MADV_DONTFORK)
+                _window["marked"] = True
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _window_lock
+    _lock, _window_lock = threading.Lock(), threading.Lock()  # another thread may have held them at the fork
+    _window.update(owner=None, ranges=[], marked=False, forking=0)
+    _thread.forking = False
+
+
+def _open(ranges) -> None:
+    with _lock:
+        _window.update(owner=threading.get_ident(), ranges=ranges, marked=False)
+        if not _window["forking"]:  # else the last of those forks marks them (_after_fork_in_parent)
+            _window["ranges"] = _madvise(ranges, MADV_DONTFORK)
+            _window["marked"] = True
+
+
+def _close() -> None:
+    try:
+        with guard(NAME), _lock:
+            try:
+                if _window["marked"]:
+                    _madvise(_window["ranges"], MADV_DOFORK)
+            finally:
+                _window.update(owner=None, ranges=[], marked=False)
+    finally:
+        _window_lock.release()
 
 
 def _engines_with_cpu_state() -> list:
@@ -194,32 +369,57 @@ def _forks(loader) -> bool:
 def _iterator_init(wrapped, instance, args, kwargs):
     """Wraps ``_MultiProcessingDataLoaderIter.__init__(loader)``: start the workers
     with the offloaded buffers' pages out of their address space."""
-    ranges = []
-    with guard(NAME):
-        loader = args[0] if args else kwargs.get("loader")
-        if is_active(NAME) and _engines.live(1) and loader is not None and _forks(loader):
-            import mmap
-
-            buffers = {}
-            for engine in _engines.live(1):
-                buffers.update(offloaded_buffers(engine))
-            ranges = [r for r in (_interior_pages(a, n, mmap.PAGESIZE) for a, n in buffers.items()) if r]
-            marked = _madvise(ranges, MADV_DONTFORK)
-            # Freed heap the parent will reuse (gathered parameters, activations) would be shared too:
-            # returned to the OS, those pages are in neither process until the parent writes them again.
-            stats["trimmed"] += bool(_memory.malloc_trim())
-            stats["forks"] += 1
-            stats["buffers"] = marked
-            stats["bytes"] = sum(length for _, length in ranges)
-            _log.info("zeroshim[%s]: starting DataLoader workers without %d offloaded buffer(s) (%.0f MiB of "
-                      "optimizer state and parameter partitions): forked workers would otherwise keep a copy of "
-                      "every page the optimizer rewrites", NAME, marked, stats["bytes"] / 2**20, once=(NAME, "info"))
+    window = []  # [True] once this call holds the window: it is closed whatever happens next
     try:
+        with guard(NAME):
+            _start(args[0] if args else kwargs.get("loader"), window)
         return wrapped(*args, **kwargs)
     finally:
-        if ranges:
-            with guard(NAME):
-                _madvise(ranges, MADV_DOFORK)
+        if window:
+            _close()
+
+
+def _start(loader, window: list) -> None:
+    """Mark the offloaded buffers' pages before ``loader``'s workers are forked (opens the window)."""
+    if not (is_active(NAME) and _engines.live(1) and loader is not None and _forks(loader)) \
+            or _window["owner"] == threading.get_ident():
+        return
+    import mmap
+
+    buffers = {}
+    for engine in _engines.live(1):
+        buffers.update(offloaded_buffers(engine))
+    ranges = sorted(r for r in (_interior_pages(a, n, mmap.PAGESIZE) for a, n in buffers.items()) if r)
+    kept = []
+    if ranges:
+        _window_lock.acquire()  # one window at a time
+        window.append(True)
+        mappings, why = _mappings(ranges)
+        if mappings is None:
+            stats["skipped"] += 1
+            _log.info("zeroshim[%s]: DataLoader workers start with the offloaded buffers: %s, so zeroshim cannot "
+                      "tell which pages already carry MADV_DONTFORK (set by an RDMA library, a driver or the "
+                      "program) and marks none rather than clear those", NAME, why, once=(NAME, "smaps"))
+            return
+        ranges, kept = _split(ranges, mappings)
+        _open(ranges)
+        ranges = _window["ranges"]
+    # Freed heap the parent will reuse (gathered parameters, activations) would be shared too: returned
+    # to the OS, those pages are in neither process until the parent writes them again.
+    stats["trimmed"] += bool(_memory.malloc_trim())
+    stats["forks"] += 1
+    starts = [start for start, _ in ranges]
+    stats["buffers"] = sum(1 for a, n in buffers.items() if _first_at_or_after(starts, a) < a + n)
+    stats["bytes"] = sum(length for _, length in ranges)
+    stats["foreign_bytes"] = sum(length for _, length in kept)
+    _log.info("zeroshim[%s]: starting DataLoader workers without %d offloaded buffer(s) (%.0f MiB of optimizer "
+              "state and parameter partitions): forked workers would otherwise keep a copy of every page the "
+              "optimizer rewrites", NAME, stats["buffers"], stats["bytes"] / 2**20, once=(NAME, "info"))
+
+
+def _first_at_or_after(starts, address: int) -> float:
+    i = bisect.bisect_left(starts, address)
+    return starts[i] if i < len(starts) else float("inf")
 
 
 # -- applying ---------------------------------------------------------------------------
@@ -237,6 +437,11 @@ def patch_dataloader(module, patcher: Patcher) -> None:
     _libc["libc"] = libc
     cls = require_attr(module, "_MultiProcessingDataLoaderIter")
     require_attr(cls, "__init__")
+    if not _hooks["registered"]:  # once per process: at-fork hooks cannot be unregistered (inactive when undone)
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                            after_in_child=_after_fork_in_child)
+        _hooks["registered"] = True
+    _hooks["active"] = True
     patcher.wrap(cls, "__init__", _iterator_init)
 
 
@@ -245,7 +450,9 @@ def patch_deepspeed_engine(module, patcher: Patcher) -> None:
 
 
 def _forget() -> None:
+    _hooks["active"] = False
     _log.forget((NAME, "info"))
+    _log.forget((NAME, "smaps"))
 
 
 PATCH = Patch(
