@@ -19,6 +19,7 @@ does not depend on the DeepSpeed release; what does (which buffers a release
 keeps, and every DataLoader path) runs in every environment.
 """
 
+import mmap
 import os
 
 import pytest
@@ -31,9 +32,9 @@ ENV = os.environ.get("ZSTEST_ENV")
 LAYERS, WIDTH = "12", "1024"  # 12.6M parameters: ~270 MB of rewritten state over 2 ranks
 
 
-def launch(config, tmp_path_factory, *extra):
+def launch(config, tmp_path_factory, *extra, nproc=2):
     out = tmp_path_factory.mktemp(config.replace("+", "_"))
-    return torchrun("offload_worker_fork", 2, out, "--config", config, *extra)["ranks"]
+    return torchrun("offload_worker_fork", nproc, out, "--config", config, *extra)["ranks"]
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,75 @@ def test_proof(memory):
     zeroshim, the reference with it."""
     without, with_, proven = load_proof("offload_worker_fork").judge(memory)
     assert proven, (without, with_)
+
+
+@pytest.fixture(scope="module")
+def marks(tmp_path_factory):
+    """One rank (the marks are per process): a foreign MADV_DONTFORK mark on an offloaded buffer, and
+    another thread forking while the DataLoader starts its worker (scenario config ``marks``)."""
+    [rank] = launch("marks", tmp_path_factory, "--layers", "2", "--width", "1024", nproc=1)
+    assert rank["marks"]["ok"], rank["marks"].get("error")
+    return rank["marks"]
+
+
+def test_a_mark_zeroshim_did_not_set_survives_the_worker_start(marks):
+    """An RDMA library (ibv_fork_init) or the program marked part of an offloaded buffer MADV_DONTFORK:
+    zeroshim neither marks nor unmarks it; its own marks are gone once the worker is started."""
+    assert marks["before"] == {"foreign": True, "ours": False}
+    assert marks["window"] == {"foreign": True, "ours": True}  # zeroshim marked the rest for the worker start
+    assert marks["after"] == {"foreign": True, "ours": False}, marks
+    assert marks["worker_maps"] == [{"foreign": False, "ours": False}] * 2  # the worker has neither
+    assert marks["stats"]["madvise_errors"] == 0
+    assert marks["stats"].get("foreign_bytes") == 8 * mmap.PAGESIZE  # the foreign mark, counted, left alone
+
+
+def test_b_another_threads_fork_during_the_worker_start_gets_every_page(marks):
+    """Another thread forks while the worker is being started and its child reads the buffer: the child
+    has the pages (before the fix: killed by SIGSEGV), and the worker started after it still has not."""
+    assert marks["child"] == {"exit_code": 0, "signal": None}, marks["child"]
+    assert marks["other_fork_seconds"] is not None  # the other thread's fork was not held back
+    assert marks["stats"].get("other_forks") == 1
+    assert marks["worker_maps"] == [{"foreign": False, "ours": False}] * 2
+
+
+def test_c_the_marks_are_removed_when_the_worker_start_raises(marks):
+    """A worker start that raises: the user's error comes through unchanged, zeroshim's marks are gone (the
+    foreign one stays), and the next DataLoader starts its worker (nothing left waiting) without the pages."""
+    assert marks["raised"] == "the worker start failed"
+    assert marks["after_raise"] == {"foreign": True, "ours": False}
+    assert marks["again_worker_maps"] == [{"foreign": False, "ours": False}] * 2
+    assert marks["again_after"] == {"foreign": True, "ours": False}
+    assert marks["stats"]["forks"] == 3  # three worker starts (the failing one included), each acted on
+
+
+def test_smaps_parsing_finds_marks_and_fails_safe(monkeypatch):
+    """The smaps reader in this process (no DeepSpeed): a foreign mark inside a buffer is split out; an
+    unreadable smaps means no marks at all (and why)."""
+    import ctypes
+
+    import torch
+
+    from zeroshim.patches import offload_worker_fork as patch
+
+    page = mmap.PAGESIZE
+    buffers = [torch.empty(64 * page, dtype=torch.uint8) for _ in range(3)]
+    ranges = sorted(patch._interior_pages(b.data_ptr(), b.numel(), page) for b in buffers)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    foreign = ranges[1][0] + 4 * page
+    assert libc.madvise(foreign, 3 * page, patch.MADV_DONTFORK) == 0
+    try:
+        mappings, why = patch._mappings(ranges)
+        mark, kept = patch._split(ranges, mappings)
+    finally:
+        libc.madvise(foreign, 3 * page, patch.MADV_DOFORK)
+    assert kept == [(foreign, 3 * page)]
+    assert sum(n for _, n in mark) + 3 * page == sum(n for _, n in ranges)
+    assert all(not (s < foreign + 3 * page and foreign < s + n) for s, n in mark)
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError("denied")
+
+    monkeypatch.setattr("builtins.open", unreadable)
+    mappings, why = patch._mappings(ranges)
+    assert mappings is None and "cannot be read" in why

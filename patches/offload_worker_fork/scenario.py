@@ -16,13 +16,20 @@ process):
     to ``deepspeed.initialize``, and HF Trainer with
     ``dataloader_num_workers=1``), each against the same run without workers:
     the patch must act at every fork and training must be bit-identical.
+``marks``
+    With zeroshim, one rank: a sub-range of an offloaded buffer carries a
+    ``MADV_DONTFORK`` mark zeroshim did not set (as an RDMA library's would),
+    and while the DataLoader starts its worker another thread forks a child
+    that reads the buffer.  Records the ``dc`` (VM_DONTCOPY) flags of the
+    foreign range and of a page zeroshim marks, during the worker start and
+    after it; what the worker maps; how the other thread's child ended.
 """
 
 import argparse
 import os
 import sys
 
-if "workers+zeroshim" in sys.argv or "paths" in sys.argv:
+if "workers+zeroshim" in sys.argv or "paths" in sys.argv or "marks" in sys.argv:
     import zeroshim  # noqa: F401  (before torch: post-import hooks)
 
 import torch
@@ -149,10 +156,131 @@ def trainer(layers, width, workers) -> dict:
         return {"losses": losses, **param_digest(run.model_wrapped)}
 
 
+def _dontcopy(address: int):
+    """True/False: the mapping holding ``address`` has VM_DONTCOPY (``dc`` in smaps' VmFlags); None if no
+    mapping holds it (read from /proc/self/smaps independently of zeroshim)."""
+    inside = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            if line[0] in "0123456789abcdef":
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return "dc" in line.split()[1:]
+    return None
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+def marks(layers, width) -> dict:
+    import ctypes
+    import mmap
+    import multiprocessing.context
+    import threading
+    import time
+
+    from zeroshim.patches import offload_worker_fork as patch
+
+    net = model(layers, width)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3),
+                                      config=config())
+    step(engine, torch.randn(MICRO, width))  # Adam's states exist
+    page = mmap.PAGESIZE
+    address, size = max(patch.offloaded_buffers(engine).items(), key=lambda item: item[1])
+    start, length = patch._interior_pages(address, size, page)
+    assert length >= 64 * page, (size, length)
+    foreign = start + 8 * page  # pages [8, 16) of the interior: marked by "someone else" (an RDMA library)
+    ours = start + 24 * page    # a page only zeroshim marks
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.madvise(foreign, 8 * page, 10) == 0, ctypes.get_errno()  # MADV_DONTFORK
+    out = {"buffer_mb": size / 2**20, "before": {"foreign": _dontcopy(foreign), "ours": _dontcopy(ours)}}
+
+    go, forked, child = threading.Event(), threading.Event(), {}
+
+    def other_thread():  # an async checkpoint writer, a tokenizer pool...
+        go.wait()
+        pid = os.fork()
+        if pid == 0:  # the child reads the first 64 pages of the interior but the foreign ones: zeroshim marks them
+            ctypes.string_at(start, foreign - start)
+            ctypes.string_at(foreign + 8 * page, 48 * page)
+            os._exit(0)
+        forked.set()
+        _, status = os.waitpid(pid, 0)
+        child.update(exit_code=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                     signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None)
+
+    class SignallingProcess(multiprocessing.context.ForkProcess):
+        def start(self):  # inside the worker start, before the worker is forked
+            if not go.is_set():
+                out["window"] = {"foreign": _dontcopy(foreign), "ours": _dontcopy(ours)}
+                go.set()
+                # the other thread forks now; it is never waited for without a limit (a fix may hold it back)
+                out["other_fork_seconds"] = None if not forked.wait(10) else time.monotonic() - began
+            super().start()
+
+    class Context(multiprocessing.context.ForkContext):
+        Process = SignallingProcess
+
+    class Probe(torch.utils.data.Dataset):  # what the worker maps
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.tensor([_mapped(foreign), _mapped(ours)])
+
+    thread = threading.Thread(target=other_thread, daemon=True)
+    thread.start()
+    loader = torch.utils.data.DataLoader(Probe(), batch_size=1, num_workers=1, multiprocessing_context=Context())
+    began = time.monotonic()
+    iterator = iter(loader)
+    out["after"] = {"foreign": _dontcopy(foreign), "ours": _dontcopy(ours)}
+    out["worker_maps"] = [dict(zip(("foreign", "ours"), map(bool, batch[0].tolist()))) for batch in iterator]
+    thread.join(60)
+    out["child"] = child if not thread.is_alive() else "still running after 60 s"
+
+    class FailingProcess(multiprocessing.context.ForkProcess):
+        def start(self):
+            raise RuntimeError("the worker start failed")
+
+    class FailingContext(multiprocessing.context.ForkContext):
+        Process = FailingProcess
+
+    try:  # the user's error comes through, the marks are removed, the next worker start is not held up
+        iter(torch.utils.data.DataLoader(Probe(), batch_size=1, num_workers=1, multiprocessing_context=FailingContext()))
+        out["raised"] = None
+    except RuntimeError as exc:
+        out["raised"] = str(exc)
+    out["after_raise"] = {"foreign": _dontcopy(foreign), "ours": _dontcopy(ours)}
+    again = torch.utils.data.DataLoader(Probe(), batch_size=1, num_workers=1, multiprocessing_context="fork")
+    out["again_worker_maps"] = [dict(zip(("foreign", "ours"), map(bool, batch[0].tolist()))) for batch in again]
+    out["again_after"] = {"foreign": _dontcopy(foreign), "ours": _dontcopy(ours)}
+    reads = []
+    if hasattr(patch, "_mappings"):  # the cost of the smaps read, with this engine alive
+        ranges = sorted(r for r in (patch._interior_pages(a, n, page)
+                                    for a, n in patch.offloaded_buffers(engine).items()) if r)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            patch._mappings(ranges)
+            reads.append(time.perf_counter() - t0)
+        out["smaps_read_ms"] = min(reads) * 1e3
+        with open("/proc/self/smaps") as fh:
+            out["mappings"] = sum(line.startswith("VmFlags") for line in fh)
+    out["stats"] = dict(patch.stats)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--config", required=True, choices=["none", "workers", "workers+zeroshim", "paths"])
+    parser.add_argument("--config", required=True, choices=["none", "workers", "workers+zeroshim", "paths", "marks"])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     args = parser.parse_args()
@@ -166,6 +294,8 @@ def main() -> None:
             run["forks"] = sys.modules["zeroshim"].stats("offload_worker_fork")["forks"] - before
             run["bytes"] = sys.modules["zeroshim"].stats("offload_worker_fork")["bytes"]
             results[f"{name}/workers"] = run
+    elif args.config == "marks":
+        results["marks"] = attempt(marks, args.layers, args.width)
     else:
         results["run"] = attempt(custom_loop, args.layers, args.width, 0 if args.config == "none" else 1)
         if "zeroshim" in sys.modules:
