@@ -254,7 +254,8 @@ def marks(layers, width) -> dict:
         Process = FailingProcess
 
     try:  # the user's error comes through, the marks are removed, the next worker start is not held up
-        iter(torch.utils.data.DataLoader(Probe(), batch_size=1, num_workers=1, multiprocessing_context=FailingContext()))
+        iter(torch.utils.data.DataLoader(Probe(), batch_size=1, num_workers=1,
+                                         multiprocessing_context=FailingContext()))
         out["raised"] = None
     except RuntimeError as exc:
         out["raised"] = str(exc)
