@@ -3,6 +3,7 @@
 memory of DataLoader workers is patch offload_worker_fork's (test_worker_fork.py)."""
 
 import logging
+from contextlib import contextmanager
 
 import pytest
 
@@ -57,6 +58,59 @@ def test_reiterated_deepspeed_dataloader_is_a_boundary(ranks):
         assert rank["off/ds_loader"]["automatic_boundaries"] == 0
 
 
+@pytest.mark.deepspeed
+def test_rlhf_actor_epoch_releases_the_actor_only(ranks):
+    """Two ZeRO-3 engines (actor trained over its training loader, reference only forwarding), parameters
+    of both left gathered at every epoch end: the actor's loader iterated again releases the actor's, never
+    the reference's; rank 0's look at one batch before training is no epoch (every rank counts the same)."""
+    for rank in ranks:
+        run = rank["automatic/rlhf"]
+        assert run["ok"], run.get("error")
+        epochs = run["epochs"]
+        for previous, epoch in zip(epochs, epochs[1:]):
+            assert previous["actor_left"] > 0 and previous["reference_left"] > 0, "nothing left gathered"
+            assert epoch["actor_after_iter"] == 0
+            assert epoch["reference_after_iter"] == previous["reference_left"]
+        assert run["automatic_boundaries"] == len(epochs) - 1
+
+
+@pytest.mark.deepspeed
+def test_rlhf_losses_and_parameters_identical_with_and_without(ranks):
+    for rank in ranks:
+        ref, run = rank["reference/rlhf"], rank["automatic/rlhf"]
+        assert ref["ok"], ref.get("error")
+        assert run["ok"], run.get("error")
+        assert run["losses"] == ref["losses"] and run["ref_losses"] == ref["ref_losses"]
+        assert run["param_sha256"] == ref["param_sha256"]
+        assert run["reference"]["param_sha256"] == ref["reference"]["param_sha256"]
+        for previous, epoch in zip(ref["epochs"], ref["epochs"][1:]):  # without zeroshim nothing is released
+            assert epoch["actor_after_iter"] == previous["actor_left"] > 0
+
+
+@pytest.mark.deepspeed
+def test_evaluation_loader_reiterated_on_one_rank_releases_nothing(ranks):
+    """A DeepSpeedDataLoader of ``engine.deepspeed_io`` (no engine's training loader) iterated twice on
+    rank 0 only: releasing there alone would desynchronise the ranks' next all-gathers."""
+    run = ranks[0]["automatic/rlhf"]
+    assert run["ok"], run.get("error")
+    seen = run["eval_reiterated"]
+    assert seen["before"]["actor"] > 0 and seen["before"]["reference"] > 0, "nothing left gathered"
+    assert seen["after"] == seen["before"]
+
+
+@pytest.mark.deepspeed
+def test_trainer_epoch_begin_releases_the_trainers_engine_only(ranks):
+    """``CallbackHandler.on_epoch_begin`` (epoch > 0) with real engines alive: with the actor's module as
+    the Trainer's model only the actor's parameters are released; with a model no engine wraps, none."""
+    for rank in ranks:
+        seen = rank["automatic/rlhf"]["trainer_epoch_begin"]
+        mine, unrelated = seen["actor"], seen["unrelated"]
+        assert mine["before"]["actor"] > 0 and mine["before"]["reference"] > 0, "nothing left gathered"
+        assert mine["after"] == {"actor": 0, "reference": mine["before"]["reference"]}
+        assert unrelated["before"]["actor"] > 0
+        assert unrelated["after"] == unrelated["before"]
+
+
 # -- in-process ------------------------------------------------------------------------
 def test_malloc_trim_returns_freed_heap():
     """What the boundary's malloc_trim is for: freed heap below the top of the
@@ -90,57 +144,100 @@ def test_explicit_call_without_engines_trims_and_logs_at_debug(caplog):
     assert any("epoch boundary (explicit)" in r.getMessage() and "PSS" in r.getMessage() for r in caplog.records)
 
 
-def test_trainer_hook_acts_at_the_begin_of_later_epochs_with_a_live_zero3_engine(monkeypatch):
+class FakeEngine:
+    """Stands in for a live ZeRO-3 engine (registered in the weak registry by :func:`alive`): records the
+    releases the patch asks of it."""
+
+    def __init__(self, training_dataloader=None):
+        import torch
+
+        self.module = torch.nn.Linear(1, 1)
+        self.training_dataloader = training_dataloader
+        self.micro_steps = 0
+        self.emptied = 0
+
+    def zero_optimization_stage(self):
+        return 3
+
+    def empty_partition_cache(self):
+        self.emptied += 1
+
+
+@contextmanager
+def alive(*engines):
+    for engine in engines:
+        _engines.engines[engine] = 3
+    try:
+        yield
+    finally:
+        for engine in engines:
+            _engines.engines.pop(engine, None)
+
+
+def test_trainer_hook_acts_at_the_begin_of_later_epochs_on_the_trainers_engine_only():
     tc = pytest.importorskip("transformers.trainer_callback")
     pytest.importorskip("deepspeed.runtime.engine")
-    from zeroshim.patches import epoch_boundary as patch
 
     assert zeroshim.status()["epoch_boundary"].state == "applied"
-    calls = []
-    monkeypatch.setattr(patch, "epoch_boundary", lambda engine, where: calls.append(where))
-    handler = tc.CallbackHandler([], None, None, None, None)
+    actor, reference = FakeEngine(), FakeEngine()  # RLHF: the Trainer's engine and another one
+    handler = tc.CallbackHandler([], actor.module, None, None, None)
     args, state, control = object(), tc.TrainerState(), tc.TrainerControl()
+    before = zeroshim.stats("epoch_boundary")["boundaries"]
     state.epoch = 1.0
-    assert handler.on_epoch_begin(args, state, control) is control
-    assert calls == []  # no ZeRO-3 engine alive
-
-    class Engine:  # stands in for a live ZeRO-3 engine in the weak registry
-        pass
-
-    engine = Engine()
-    _engines.engines[engine] = 3
-    try:
+    assert handler.on_epoch_begin(args, state, control) is control  # no ZeRO-3 engine alive
+    with alive(actor, reference):
         state.epoch = 0.0  # the first epoch's begin is no boundary
         assert handler.on_epoch_begin(args, state, control) is control
         assert handler.on_epoch_end(args, state, control) is control  # evaluation and saving come after this
-        assert calls == []
+        assert (actor.emptied, reference.emptied) == (0, 0)
         state.epoch = 1.0
         assert handler.on_epoch_begin(args, state, control) is control
-        assert calls == ["Trainer epoch begin"]
-    finally:
-        del _engines.engines[engine]
+        assert (actor.emptied, reference.emptied) == (1, 0)
+        assert zeroshim.stats("epoch_boundary")["last"]["where"] == "Trainer epoch begin"
+        # a Trainer whose model no live engine wraps: nothing released
+        assert tc.CallbackHandler([], FakeEngine().module, None, None, None).on_epoch_begin(
+            args, state, control) is control
+        assert tc.CallbackHandler([], None, None, None, None).on_epoch_begin(args, state, control) is control
+        assert (actor.emptied, reference.emptied) == (1, 0)
+    assert zeroshim.stats("epoch_boundary")["boundaries"] == before + 1
 
 
-def test_a_failure_while_freeing_never_breaks_the_epoch(monkeypatch, caplog):
+def test_dataloader_hook_acts_on_the_engine_whose_training_loader_it_is_after_steps_only():
+    dl = pytest.importorskip("deepspeed.runtime.dataloader")
+
+    def loader():
+        return dl.DeepSpeedDataLoader(list(range(4)), batch_size=2, pin_memory=False, local_rank=0, tput_timer=None,
+                                      num_local_io_workers=0, data_parallel_world_size=1, data_parallel_rank=0)
+
+    training, evaluation = loader(), loader()
+    actor, reference = FakeEngine(training), FakeEngine()
+    with alive(actor, reference):
+        for _ in range(2):  # an evaluation loader (engine.deepspeed_io) iterated again: no engine's epoch
+            assert len(list(evaluation)) == 2
+        assert list(training) and list(training)  # again, but no training step in between: no epoch
+        assert (actor.emptied, reference.emptied) == (0, 0)
+        actor.micro_steps += 2
+        assert list(training)  # the actor's next epoch
+        assert (actor.emptied, reference.emptied) == (1, 0)
+        assert zeroshim.stats("epoch_boundary")["last"]["where"] == "DeepSpeedDataLoader re-iterated"
+        assert list(training)
+        assert (actor.emptied, reference.emptied) == (1, 0)
+
+
+def test_a_failure_while_freeing_never_breaks_the_epoch(caplog):
     tc = pytest.importorskip("transformers.trainer_callback")
 
-    class Engine:
-        def zero_optimization_stage(self):
-            return 3
-
+    class Engine(FakeEngine):
         def empty_partition_cache(self):
             raise RuntimeError("broken cache release")
 
     engine = Engine()
-    _engines.engines[engine] = 3
-    try:
-        handler = tc.CallbackHandler([], None, None, None, None)
+    with alive(engine):
+        handler = tc.CallbackHandler([], engine.module, None, None, None)
         control, state = tc.TrainerControl(), tc.TrainerState()
         state.epoch = 1.0
         with caplog.at_level(logging.WARNING, logger="zeroshim"):
             assert handler.on_epoch_begin(object(), state, control) is control
-    finally:
-        del _engines.engines[engine]
     # the explicit call, on the other hand, reports the error to its caller
     with pytest.raises(RuntimeError, match="broken cache release"):
         zeroshim.epoch_boundary(engine)

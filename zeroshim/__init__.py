@@ -38,14 +38,17 @@ __all__ = [
 
 
 def epoch_boundary(engine=None) -> dict:
-    """Call between epochs of a custom training loop, on every rank: release
-    every gathered ZeRO-3 parameter of ``engine`` (default: every live ZeRO-3
-    engine; DeepSpeed's ``empty_partition_cache``, which also collects garbage
-    and empties the accelerator cache), empty the pinned host cache and return
-    freed heap to the OS (glibc ``malloc_trim``).  HF Trainer's epoch begin and
-    a re-iterated DataLoader given to ``deepspeed.initialize`` do this by
-    themselves (patch ``epoch_boundary``).  Works whatever that patch's flag
-    says.  Returns what was done (see
+    """Call between epochs of a custom training loop, on every rank at the same
+    point: release every gathered ZeRO-3 parameter of ``engine`` (default:
+    every live ZeRO-3 engine; with several engines alive, e.g. RLHF's actor and
+    reference, pass the one whose epoch ended), with DeepSpeed's
+    ``empty_partition_cache`` (which also collects garbage and empties the
+    accelerator cache), empty the pinned host cache and return freed heap to
+    the OS (glibc ``malloc_trim``).  HF Trainer's epoch begin (for the
+    Trainer's own engine) and an engine's training DataLoader (made by
+    ``deepspeed.initialize(training_data=...)``) iterated again after training
+    steps (for that engine) do this by themselves (patch ``epoch_boundary``).
+    Works whatever that patch's flag says.  Returns what was done (see
     ``zeroshim.patches.epoch_boundary.epoch_boundary``)."""
     from importlib import import_module
 

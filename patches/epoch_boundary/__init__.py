@@ -31,11 +31,12 @@ Flag
     call :func:`zeroshim.epoch_boundary` works whatever the flag says.
 
 Fix
-    At every epoch boundary, while a DeepSpeed engine with ZeRO stage 3 is
-    alive (engines are tracked by a wrapper of ``DeepSpeedEngine.__init__``
-    shared with other patches, ``zeroshim/_engines.py``):
+    At an epoch boundary of a DeepSpeed engine with ZeRO stage 3 (engines are
+    tracked by a wrapper of ``DeepSpeedEngine.__init__`` shared with other
+    patches, ``zeroshim/_engines.py``; which boundaries, and which engines,
+    below):
 
-    1. every gathered ZeRO-3 parameter is released
+    1. every gathered ZeRO-3 parameter of that engine is released
        (``engine.empty_partition_cache()``, DeepSpeed's public API, which also
        runs ``gc.collect()`` and empties the accelerator cache);
     2. when CUDA is initialised, the pinned host-memory cache is emptied
@@ -51,15 +52,40 @@ Fix
     ``empty_cache()`` after DeepSpeed's (they found nothing at any measured
     boundary).
 
-    Epoch boundaries are found in three places: HF Trainer's epoch *begin*
-    (``CallbackHandler.on_epoch_begin`` of every epoch after the first: after
-    the previous epoch's evaluation and saving, which ``on_epoch_end``
-    precedes, and before the new epoch's DataLoader workers start), a
-    DataLoader given to ``deepspeed.initialize`` when it is iterated again
-    (``DeepSpeedDataLoader.__iter__``), and the public
-    ``zeroshim.epoch_boundary(engine=None)`` for custom loops, which must be
-    called on every rank (releasing resets each rank's parameter-fetch trace;
-    ranks must agree on it).
+    Where it acts, and on which engines.  Releasing is local to the rank, but
+    which parameters a rank holds gathered decides which all-gathers its next
+    forward issues (ZeRO-3 fetches, and prefetches, only what is not gathered
+    there): every rank must release the same engine's parameters between the
+    same two collectives, or the ranks' all-gathers no longer match (a hang or
+    wrong data).  So the patch acts only at points every rank passes in
+    lock-step, and only on the engine that point belongs to (RLHF keeps an
+    actor, a reference and a reward engine alive: one's epoch is no boundary
+    of the others):
+
+    * HF Trainer's epoch *begin* (``CallbackHandler.on_epoch_begin`` of every
+      epoch after the first: after the previous epoch's evaluation and saving,
+      which ``on_epoch_end`` precedes, and before the new epoch's DataLoader
+      workers start).  Every rank runs it at the same place of the training
+      loop.  It acts on the engine whose ``module`` is the handler's ``model``
+      (Trainer sets it to ``trainer.model``, the module that
+      ``deepspeed.initialize`` wrapped, in transformers 4.x and 5.x) and on no
+      other; where no live ZeRO-3 engine is that model, nothing is released
+      (a DEBUG line says so).
+    * A ``DeepSpeedDataLoader`` iterated again (``__iter__``; also what
+      ``RepeatingLoader`` does at the end of each pass) when it is an engine's
+      own training loader (``engine.training_dataloader``, made by
+      ``deepspeed.initialize(training_data=...)``), and that engine took
+      optimizer steps (``engine.micro_steps``) since the loader was last
+      iterated: it acts on that engine only.  Every rank iterates the training
+      loader in lock-step (its steps are collectives, each rank's sampler has
+      the same length); the step condition keeps a look at a batch on one
+      rank (``next(iter(loader))`` before training) from counting as an
+      epoch.  Any other ``DeepSpeedDataLoader`` (``engine.deepspeed_io(...)``
+      for evaluation, perhaps iterated on one rank only) is left alone.
+    * ``zeroshim.epoch_boundary(engine=None)`` for custom loops: releases
+      ``engine``'s gathered parameters, or, without one, those of every live
+      ZeRO-3 engine.  It must be called on every rank at the same point, and
+      with several engines alive should be given the engine whose epoch ended.
 
     Numerics: releasing a parameter keeps its partition; the next forward
     gathers it again, so training is unchanged (the tests compare losses and
@@ -85,8 +111,9 @@ from zeroshim._patcher import Patcher, guard, require_attr
 NAME = "epoch_boundary"
 log = logging.getLogger("zeroshim")
 
-# DeepSpeedDataLoaders iterated at least once: the next __iter__ starts a new epoch.
-_iterated: "weakref.WeakSet" = weakref.WeakSet()
+# DeepSpeedDataLoader iterated at least once -> the optimizer steps (``micro_steps``) of the engines whose
+# training loader it is, at that iteration: the next __iter__ after more steps starts a new epoch.
+_iterated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: boundaries handled and parameters released since import (introspection and tests)
 stats = {"boundaries": 0, "params_released": 0, "last": None}
 
@@ -115,10 +142,15 @@ def epoch_boundary(engine=None, where: str = "explicit") -> dict:
     of ``engine`` (default: every live ZeRO-3 engine zeroshim tracks), empty
     the pinned host cache and ``malloc_trim`` the heap.
 
-    Call it between epochs, on every rank, while no forward/backward is
-    running.  Returns what was done: ``{"where", "engines", "params_released",
-    "trimmed", "pss_before_mb", "pss_after_mb"}``."""
-    engines = [engine] if engine is not None else _engines.live(3)
+    Call it between epochs, on every rank at the same point, while no
+    forward/backward is running; with several engines alive, pass the engine
+    whose epoch ended.  Returns what was done: ``{"where", "engines",
+    "params_released", "trimmed", "pss_before_mb", "pss_after_mb"}``."""
+    return _free([engine] if engine is not None else _engines.live(3), where)
+
+
+def _free(engines: list, where: str) -> dict:
+    """:func:`epoch_boundary` on the given engines."""
     before = _memory.pss_mb()
     released = 0
     for eng in engines:
@@ -146,31 +178,52 @@ def _fmt(mb) -> str:
     return "?" if mb is None else f"{mb:.1f}"
 
 
-def _automatic(where: str) -> None:
-    """An epoch boundary found by a hook: act only while the patch is active and
-    a ZeRO-3 engine is alive."""
-    if is_active(NAME) and _engines.live(3):
-        epoch_boundary(None, where)
+def _engines_of_model(model) -> list:
+    """The live ZeRO-3 engines that wrap ``model`` (or are it)."""
+    if model is None:
+        return []
+    return [e for e in _engines.live(3) if e is model or getattr(e, "module", None) is model]
+
+
+def _engines_of_loader(loader) -> list:
+    """The live ZeRO-3 engines whose training loader ``loader`` is."""
+    return [e for e in _engines.live(3) if getattr(e, "training_dataloader", None) is loader]
 
 
 # -- wrappers -------------------------------------------------------------------------
 def _trainer_epoch_begin(wrapped, instance, args, kwargs):
     """Wraps ``transformers.trainer_callback.CallbackHandler.on_epoch_begin(args, state, control)``:
-    the begin of every epoch after the first is a boundary."""
+    the begin of every epoch after the first is a boundary of the Trainer's own engine."""
     with guard(NAME):
         state = args[1] if len(args) > 1 else kwargs.get("state")
-        if (getattr(state, "epoch", 0) or 0) > 0:
-            _automatic("Trainer epoch begin")
+        if (getattr(state, "epoch", 0) or 0) > 0 and is_active(NAME) and _engines.live(3):
+            owners = _engines_of_model(getattr(instance, "model", None))
+            if owners:
+                _free(owners, "Trainer epoch begin")
+            else:
+                log.debug("zeroshim[%s]: Trainer epoch begin: no live ZeRO-3 engine wraps this Trainer's model; "
+                          "nothing released", NAME)
     return wrapped(*args, **kwargs)
 
 
 def _dataloader_iter(wrapped, instance, args, kwargs):
-    """Wraps ``DeepSpeedDataLoader.__iter__``: iterating it again starts an epoch."""
+    """Wraps ``DeepSpeedDataLoader.__iter__``: iterating an engine's training loader again, after
+    training steps, starts an epoch of that engine."""
     with guard(NAME):
-        if instance in _iterated:
-            _automatic("DeepSpeedDataLoader re-iterated")
-        else:
-            _iterated.add(instance)
+        owners = _engines_of_loader(instance)
+        steps = tuple(getattr(e, "micro_steps", None) for e in owners)
+        first = instance not in _iterated
+        previous = _iterated.get(instance)
+        _iterated[instance] = steps
+        if not first and is_active(NAME):
+            if not owners:
+                log.debug("zeroshim[%s]: a DeepSpeedDataLoader that is no live ZeRO-3 engine's training loader "
+                          "was iterated again; nothing released", NAME)
+            elif steps == previous:
+                log.debug("zeroshim[%s]: a training DeepSpeedDataLoader was iterated again without training "
+                          "steps since its last iteration; nothing released", NAME)
+            else:
+                _free(owners, "DeepSpeedDataLoader re-iterated")
     return wrapped(*args, **kwargs)
 
 

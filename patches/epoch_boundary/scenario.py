@@ -11,7 +11,16 @@ Trainer users often configure).  Phases in one process per rank:
 * with zeroshim: the custom loop calling ``zeroshim.epoch_boundary(engine)``
   after every epoch, with some parameters left gathered on purpose before the
   call (what must be released), recording gathered-parameter counts and RSS;
-  and the DeepSpeedDataLoader loop, where the boundary must fire by itself.
+  and the DeepSpeedDataLoader loop, where the boundary must fire by itself;
+* RLHF-like, without and with zeroshim: an "actor" engine trained over its
+  own training loader next to a "reference" ZeRO-3 engine used only for
+  forwards, parameters of both left gathered at every epoch end.  The
+  actor's loader re-iterated must release the actor's parameters only; an
+  evaluation loader of ``engine.deepspeed_io`` iterated twice on rank 0 only,
+  and a look at one training batch on rank 0 only before training, must
+  release nothing; and after training, HF Trainer's ``on_epoch_begin`` with
+  the actor's module as its model releases the actor's parameters only, with
+  a model no engine wraps nothing.
 """
 
 import torch
@@ -101,10 +110,76 @@ def train(ds_loader=False, boundary=None, leave_gathered=False) -> dict:
     return {"losses": losses, "epochs": epochs, **param_digest(engine)}
 
 
+def leave_gathered(engine) -> int:
+    """Gather some parameters of ``engine`` by hand and leave them gathered (what an epoch boundary
+    should release); the number of its parameters gathered then."""
+    params = list(engine.module.out.parameters()) + list(engine.module.blocks[0].parameters())
+    params[0].all_gather(param_list=params)
+    return gathered(engine)
+
+
+def rlhf(zeroshim=None) -> dict:
+    """The actor trained with its training loader, the reference engine only forwarding (RLHF)."""
+    rank = torch.distributed.get_rank()
+    actor, loader = build(ds_loader=True)
+    torch.manual_seed(1)
+    ref_cfg = config()
+    del ref_cfg["zero_optimization"]["offload_optimizer"]  # as TRL prepares a reference model: no optimizer
+    reference, *_ = deepspeed.initialize(model=LM(), config=ref_cfg)
+    reference.eval()
+    # a loader of no engine's training data (evaluation)
+    evaluation = actor.deepspeed_io(Tokens(2 * MICRO), route="eval", num_local_io_workers=0)
+    boundaries = (lambda: zeroshim.stats("epoch_boundary")["boundaries"]) if zeroshim else (lambda: 0)
+    start = boundaries()
+    if rank == 0:
+        next(iter(loader))  # a look at a batch on rank 0 only: no epoch
+    losses, ref_losses, epochs = [], [], []
+    for epoch in range(EPOCHS):
+        loader.data_sampler.set_epoch(epoch)
+        it = iter(loader)  # from the second epoch on: the actor's epoch boundary
+        record = {"actor_after_iter": gathered(actor), "reference_after_iter": gathered(reference)}
+        for ids in it:
+            with torch.no_grad():
+                ref_losses.append(reference(ids).item())
+            loss = actor(ids)
+            actor.backward(loss)
+            actor.step()
+            losses.append(loss.item())
+        record["actor_left"], record["reference_left"] = leave_gathered(actor), leave_gathered(reference)
+        epochs.append(record)
+    result = {"losses": losses, "ref_losses": ref_losses, "epochs": epochs,
+              "automatic_boundaries": boundaries() - start, **param_digest(actor),
+              "reference": param_digest(reference)}
+    if rank == 0:  # an evaluation loader iterated twice on one rank, parameters left gathered: no epoch
+        before = {"actor": gathered(actor), "reference": gathered(reference)}
+        for _ in range(2):
+            for _batch in evaluation:
+                pass
+        result["eval_reiterated"] = {"before": before, "after": {"actor": gathered(actor),
+                                                                 "reference": gathered(reference)}}
+    for engine in (actor, reference):  # every rank the same state again (rank 0 may have released)
+        engine.empty_partition_cache()
+    if zeroshim is not None:  # HF Trainer's epoch begin, on every rank, after training
+        import transformers.trainer_callback as tc
+
+        state, control = tc.TrainerState(), tc.TrainerControl()
+        state.epoch = float(EPOCHS)
+        trainer = {}
+        for name, model in (("actor", actor.module), ("unrelated", LM())):
+            before = {"actor": leave_gathered(actor), "reference": leave_gathered(reference)}
+            tc.CallbackHandler([], model, None, None, None).on_epoch_begin(None, state, control)
+            trainer[name] = {"before": before, "after": {"actor": gathered(actor), "reference": gathered(reference)}}
+        result["trainer_epoch_begin"] = trainer
+    for engine in (actor, reference):  # every rank the same state before the next run
+        engine.empty_partition_cache()
+    return result
+
+
 def main():
     out, results = begin()
     results["reference/custom"] = attempt(train)
     results["reference/ds_loader"] = attempt(train, ds_loader=True)
+    results["reference/rlhf"] = attempt(rlhf)
 
     zeroshim = enable_zeroshim()
     import transformers.trainer_callback  # noqa: F401  (every target of the patch imported: "applied")
@@ -115,6 +190,7 @@ def main():
     run = attempt(train, ds_loader=True)
     run["automatic_boundaries"] = zeroshim.stats("epoch_boundary")["boundaries"] - before
     results["automatic/ds_loader"] = run
+    results["automatic/rlhf"] = attempt(rlhf, zeroshim)
     # The DataLoader is re-iterated, but the patch is off: nothing may happen.
     zeroshim.configure(epoch_boundary="off")
     before = zeroshim.stats("epoch_boundary")["boundaries"]
