@@ -246,3 +246,103 @@ def test_the_engine_in_forward_decides_not_any_live_engine(layer):
             stack.pop()
     finally:
         del ncp._zero_engines[zero3]
+
+
+# -- only where the double reduction can happen (issue #30 item 1) -----------------------
+def test_a_block_without_trainable_parameters_stays_reentrant(zero_engine):
+    """Its nested backward reaches no parameter with a reduce hook (its input still requires grad)."""
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    before = dict(ncp.stats)
+    assert grad_fn_name(frozen) == "CheckpointFunctionBackward"
+    assert ncp.stats["kept_no_trainable_parameter"] == before["kept_no_trainable_parameter"] + 1
+    # the module cannot be told from a lambda: converted, as before
+    x = torch.randn(2, 4, requires_grad=True)
+    assert type(tuc.checkpoint(lambda t: frozen(t), x, use_reentrant=True).grad_fn).__name__ \
+        != "CheckpointFunctionBackward"
+
+
+@pytest.mark.parametrize("stage,optimizer,kept", [
+    (1, {"partition_gradients": False, "overlap_comm": False}, True),  # ZeRO-1: reduces after the backward
+    (1, {"partition_gradients": False, "overlap_comm": True}, False),  # ZeRO-1 + overlap_comm: from hooks
+    (2, {"partition_gradients": True, "overlap_comm": False}, False),
+    (1, "BF16_Optimizer", True),  # ZeRO-1, bf16, fp32 gradient accumulation
+    (1, None, False),  # unknown: converted
+    (3, None, False)])
+def test_engines_that_reduce_after_the_backward_keep_reentrant(layer, stage, optimizer, kept):
+    import types
+
+    engine = FakeEngine()
+    if isinstance(optimizer, dict):
+        engine.optimizer = types.SimpleNamespace(**optimizer)
+    elif optimizer:
+        engine.optimizer = type(optimizer, (), {})()
+    ncp._zero_engines[engine] = stage
+    try:
+        assert (grad_fn_name(layer) == "CheckpointFunctionBackward") == kept
+    finally:
+        del ncp._zero_engines[engine]
+
+
+# -- numerics where it converts: torch's documented differences, pinned ------------------
+def _both(fn, extra, **kw):
+    """``fn(block, x, *extra())`` checkpointed reentrantly (through a lambda: converted whatever the
+    block) and backpropagated, as the user's code runs it (no engine) and converted (a ZeRO-2 engine
+    alive): ``(loss, gradients of the block, x and the tensors in extra's lists)`` or the exception."""
+    out = []
+    for zero in (False, True):
+        torch.manual_seed(0)
+        block = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        args = extra()
+        nested = [t for a in args if isinstance(a, list) for t in a]
+        engine = FakeEngine()
+        if zero:
+            ncp._zero_engines[engine] = 2
+        converted = ncp.stats["converted"]
+        try:
+            out_ = tuc.checkpoint(lambda *a: fn(block, *a), x, *args, use_reentrant=True, **kw)
+            assert ncp.stats["converted"] == converted + zero
+            loss = out_.pow(2).sum()
+            loss.backward()
+            out.append((loss.item(), [p.grad for p in block.parameters()] + [x.grad] + [t.grad for t in nested]))
+        except (RuntimeError, tuc.CheckpointError) as exc:  # the difference pinned
+            out.append(exc)
+        finally:
+            ncp._zero_engines.pop(engine, None)
+    return out
+
+
+def test_converted_tensors_nested_in_a_list_train_the_same():
+    """Reentrant gives such a tensor no gradient through the checkpoint's own backward, but its
+    recompute uses the tensor itself, so the nested backward reaches it: the same gradients."""
+    (loss_r, grads_r), (loss_n, grads_n) = _both(lambda block, x, lst: block(x) + block(lst[0]),
+                                                 lambda: ([torch.randn(2, 4, requires_grad=True)],))
+    assert loss_r == loss_n and len(grads_r) == 4 and all(torch.equal(a, b) for a, b in zip(grads_r, grads_n))
+
+
+def test_converted_is_grad_enabled_branch_changes_the_numbers():
+    """Reentrant runs the first forward under no_grad; non-reentrant with grad."""
+    (loss_r, _), (loss_n, _) = _both(lambda block, x: block(x) if torch.is_grad_enabled() else block(x) * 0.5,
+                                      lambda: ())
+    assert loss_r != loss_n
+
+
+def test_converted_in_place_change_of_an_input_fails():
+    def fn(block, x, scale):
+        scale.mul_(2)  # an input that needs no grad, changed in place
+        return block(x * scale)
+
+    reentrant, converted = _both(fn, lambda: (torch.ones(2, 4),))
+    assert not isinstance(reentrant, Exception)
+    assert isinstance(converted, RuntimeError) and "modified by an inplace operation" in str(converted)
+
+
+def test_converted_data_dependent_recompute_shapes_fail():
+    def fn(block, x):
+        keep = (torch.rand(4) > 0.5).nonzero().squeeze(1)  # a new draw in the recompute
+        y = block(x)
+        return torch.zeros_like(y).index_copy(1, keep, y[:, keep])
+
+    reentrant, converted = _both(fn, lambda: (), preserve_rng_state=False)
+    assert not isinstance(reentrant, Exception)
+    assert isinstance(converted, tuc.CheckpointError), converted

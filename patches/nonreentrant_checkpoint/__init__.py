@@ -6,7 +6,7 @@ Symptom
     checkpointing (``use_reentrant=True``: transformers' default from 4.35 to
     4.57, and what much remote model code passes).  Backward then fails:
 
-    * ZeRO-1/2: ``AssertionError: The parameter enc.2.bias has already been
+    * ZeRO-2, and ZeRO-1 with ``overlap_comm``: ``AssertionError: The parameter enc.2.bias has already been
       reduced. Gradient computed twice for this partition. Multiple gradient
       reduction is currently not supported`` (stage_1_and_2.py,
       ``reduce_independent_p_g_buckets_and_remove_grads``);
@@ -20,7 +20,9 @@ Cause
     ``torch.autograd.backward``.  Every nested backward finishes the gradient of
     the shared parameters and fires their gradient hooks, so DeepSpeed's
     per-parameter reduce hook runs once per call instead of once per step, and
-    ZeRO refuses the second reduction of the same partition.  Non-reentrant
+    ZeRO refuses the second reduction of the same partition.  (ZeRO-1 without
+    ``overlap_comm``, DeepSpeed's default there, reduces every gradient once
+    after the backward, not from the hooks: a block run twice trains.)  Non-reentrant
     checkpointing (saved-tensor hooks) recomputes inside the one outer backward;
     gradients accumulate normally and each hook fires once.
 
@@ -43,8 +45,11 @@ Fix
     ``from torch.utils.checkpoint import checkpoint`` bound before zeroshim
     was imported, ``functools.partial(checkpoint, use_reentrant=True)`` built
     by transformers' ``gradient_checkpointing_enable`` (its default kwargs, or
-    the user's ``gradient_checkpointing_kwargs``), default arguments, and
-    ``checkpoint_sequential``.  Engines are tracked by wrapping
+    the user's ``gradient_checkpointing_kwargs``), a call that omits
+    ``use_reentrant`` (torch 2.x warns and runs reentrant), and
+    ``checkpoint_sequential`` (the last two tested: each fails without zeroshim
+    where the block runs twice per step and trains with it to the
+    ``use_reentrant=False`` run bit for bit).  Engines are tracked by wrapping
     ``DeepSpeedEngine.__init__`` (weak references; one tracker shared with
     other patches, ``zeroshim/_engines.py``), including engines built before
     zeroshim was imported.  The stage that decides is the one of the engine
@@ -54,20 +59,69 @@ Fix
     nothing changes.  The switch is said once, at WARNING on global rank 0
     (what, why, the flag): it changes what the user's code does.
 
-    Only where the bug can happen: a call that would run no backward through
-    the block -- grad disabled, or no top-level tensor input requiring grad
-    (a block behind a frozen embedding, pixel values into a vision tower
-    without ``enable_input_require_grads``) -- stays reentrant.  There
-    reentrant checkpointing gives the block no gradients at all (torch warns
-    "None of the inputs have requires_grad=True"), so ZeRO has nothing to
-    reduce twice, and converting would train a block the user's code leaves
-    untrained.  Tested at ZeRO-1, -2 and -3: such a run ends with parameters
-    bit for bit equal to the run without zeroshim.
+    Only where the bug can happen, that is where reentrant checkpointing would
+    run a nested backward through parameters that ZeRO reduces from their
+    gradient hooks; everywhere else the call stays reentrant, as the user's
+    code asked:
 
-    Numerics where it converts: the recomputation is the same forward; the
-    run matches a ``use_reentrant=False`` run exactly (tests compare losses
-    bit for bit), and, with an input that requires grad, a reentrant run of a
-    block used once per step gives the same numbers either way.
+    * a call that would run no backward through the block -- grad disabled, or
+      no top-level tensor input requiring grad (a block behind a frozen
+      embedding, pixel values into a vision tower without
+      ``enable_input_require_grads``).  Reentrant checkpointing gives the block
+      no gradients at all (torch warns "None of the inputs have
+      requires_grad=True"), and converting would train a block the user's code
+      leaves untrained;
+    * a block with no parameter that requires grad (a frozen tower whose input
+      requires grad): its nested backward only passes gradients on to its
+      inputs;
+    * an engine whose optimizer reduces after the backward, not from gradient
+      hooks: ZeRO-1 without ``overlap_comm`` (``DeepSpeedZeroOptimizer``
+      without ``partition_gradients`` or ``overlap_comm``) and
+      ``BF16_Optimizer`` (ZeRO-1 with bf16 and fp32 gradient accumulation).
+      The engine whose forward is running decides; outside any forward, any
+      live ZeRO engine that reduces from hooks makes the call convert.  ZeRO-2
+      and ZeRO-3 always reduce from hooks.
+
+    Tested against the run without zeroshim at ZeRO-1, -2 and -3 (DeepSpeed
+    0.19.2, 2 ranks): such runs end with losses and parameters bit for bit
+    equal, with a checkpointed function whose reentrant and non-reentrant
+    numbers differ.  The block is the module behind the checkpointed
+    function (a module, its bound ``__call__``/``forward``, a
+    ``functools.partial`` of those, as transformers passes); where it cannot
+    be told (a lambda, a closure -- ``checkpoint_sequential``'s segments) the
+    call converts as before.  Parameters the block's forward reaches that are
+    not its own (a module held in a plain attribute, a captured tensor) are
+    not seen: a block with only such trainable parameters stays reentrant,
+    and fails as without zeroshim if it runs twice per step.
+
+    Numerics where it converts: the run matches a ``use_reentrant=False`` run
+    exactly (tests compare losses bit for bit).  zeroshim cannot know at the
+    first call whether a block will run again in the step, so a block with
+    trainable parameters that runs once per step (input requiring grad,
+    ZeRO-2/3 or ZeRO-1 with ``overlap_comm``) is converted too, and where
+    torch's two forms differ, its run differs from the user's reentrant run.
+    Measured on DeepSpeed 0.19.2, ZeRO-2, 1 rank, 3 steps, reentrant without
+    zeroshim against with it:
+
+    * plain block, and tensors requiring grad nested in a list argument (the
+      reentrant recompute still reaches them): bit for bit equal;
+    * a ``torch.is_grad_enabled()`` branch in the function (reentrant runs
+      the first forward under no_grad, non-reentrant with grad): different
+      losses from the first step;
+    * an in-place change of an input that needs no grad (``mask.mul_(2)``):
+      trains reentrant; converted, backward fails "one of the variables
+      needed for gradient computation has been modified by an inplace
+      operation".  (In place on an input that requires grad fails reentrant
+      itself: "a leaf Variable that requires grad is being used in an
+      in-place operation".)
+    * data-dependent shapes that change in the recompute (random token
+      dropping with ``preserve_rng_state=False``): trains reentrant;
+      converted, ``CheckpointError: Recomputed values for the following
+      tensors have different metadata``.
+
+    Such code: set ``ZEROSHIM_NONREENTRANT_CHECKPOINT=off`` (if no
+    checkpointed block runs twice per step) or make the function the same in
+    both forms.  The unit tests pin these outcomes.
 
     Not covered: DeepSpeed's own activation checkpointing
     (``deepspeed.checkpointing.checkpoint``, Megatron style), which is a
@@ -135,7 +189,8 @@ _zero_engines = _engines.engines
 _torch: dict = {}
 _local = threading.local()
 #: counts since import (introspection and tests)
-stats = {"converted": 0, "kept_for_dependency": 0, "reentered": 0, "kept_no_grad_input": 0}
+stats = {"converted": 0, "kept_for_dependency": 0, "reentered": 0, "kept_no_grad_input": 0,
+         "kept_no_trainable_parameter": 0, "kept_no_hook_reduction": 0}
 
 
 def active_zero_stage() -> int:
@@ -175,15 +230,15 @@ def _has_frozen_zero3(module) -> bool:
     return any(hasattr(p, "ds_id") and not p.requires_grad for p in module.parameters())
 
 
-def _keep_reentrant(stage: int, function) -> bool:
+def _keep_reentrant(stage: int, module) -> bool:
     """True where converting would need ``zero3_frozen_recompute`` and it is not
-    active: ZeRO-3, frozen partitioned parameters in the checkpointed module."""
+    active: ZeRO-3, frozen partitioned parameters in the checkpointed module
+    (``module``: from :func:`_module_of`, None where it cannot be told)."""
     if stage < 3:
         return False
     missing = missing_dependency(NAME)
     if missing is None:
         return False
-    module = _module_of(function)
     if module is not None:
         frozen = _has_frozen_zero3(module)
     else:
@@ -208,6 +263,36 @@ def _reentrant_has_backward(inputs) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
 
+def _has_trainable_parameter(module) -> bool:
+    """Could a nested backward through this block reach a parameter ZeRO reduces?  Only a parameter that
+    requires grad has DeepSpeed's gradient hook; a block of frozen parameters only passes gradients on to
+    its inputs, which the outer backward (one hook per parameter) handles."""
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _reduces_in_hooks(engine) -> bool:
+    """Does this engine's ZeRO optimizer reduce a parameter's gradient from that parameter's gradient hook,
+    where a second nested backward through the same parameter is a second reduction?  ZeRO-2 and ZeRO-3
+    do.  ZeRO-1 (``DeepSpeedZeroOptimizer`` without ``partition_gradients``) does only with
+    ``overlap_comm``; without it, it reduces every gradient once in ``reduce_gradients`` after the
+    backward (``stage_1_and_2.py``: ``process_gradients``), and ``BF16_Optimizer`` (ZeRO-1 with bf16 and
+    fp32 gradient accumulation) reduces after the backward too.  Anything else: assumed to (convert)."""
+    if _zero_engines.get(engine, 0) >= 2:
+        return True
+    optimizer = getattr(engine, "optimizer", None)
+    partition, overlap = getattr(optimizer, "partition_gradients", None), getattr(optimizer, "overlap_comm", None)
+    if isinstance(partition, bool) and isinstance(overlap, bool):
+        return partition or overlap
+    return type(optimizer).__name__ != "BF16_Optimizer"
+
+
+def _hook_reduction_in_use() -> bool:
+    """Does the engine in use (the one whose forward is running, else any live ZeRO engine) reduce
+    gradients per parameter from gradient hooks?"""
+    engine = _engines.current()
+    return any(_reduces_in_hooks(e) for e in ([engine] if engine is not None else _engines.live(1)))
+
+
 # -- wrappers -------------------------------------------------------------------------
 def _reentrant_apply(wrapped, instance, args, kwargs):
     """Wraps ``CheckpointFunction.apply(function, preserve_rng_state, *args)``."""
@@ -223,7 +308,11 @@ def _reentrant_apply(wrapped, instance, args, kwargs):
                                  "running it reentrant, unchanged", NAME, scope=_log.EVERY, once=(NAME, "reentered"))
                 elif not _reentrant_has_backward(args[2:]):
                     stats["kept_no_grad_input"] += 1  # the bug's precondition is absent: the user's semantics stay
-                elif not _keep_reentrant(stage, args[0]):
+                elif (module := _module_of(args[0])) is not None and not _has_trainable_parameter(module):
+                    stats["kept_no_trainable_parameter"] += 1  # a nested backward reduces nothing: kept
+                elif not _hook_reduction_in_use():
+                    stats["kept_no_hook_reduction"] += 1  # ZeRO-1 without overlap_comm: one reduction per step
+                elif not _keep_reentrant(stage, module):
                     reroute = _torch["checkpoint"]
                     stats["converted"] += 1
                     _log.acted(NAME, "running reentrant activation checkpointing as non-reentrant "
