@@ -110,3 +110,39 @@ def test_a_block_whose_inputs_need_no_grad_keeps_the_users_reentrant_semantics(o
         no_grad = sum(not rank[f"frozen_input/without/z{s}"]["input_requires_grad"] for s in (1, 2, 3))
         assert rank["frozen_input/acted"]["kept_no_grad_input"] == 3 * no_grad
         assert rank["frozen_input/acted"]["converted"] == 3 * (3 - no_grad)
+
+
+@pytest.mark.parametrize("form", ["overlap/{}/z1", "omitted/{}/z2", "sequential/{}/z2"],
+                         ids=["zero1_overlap_comm", "use_reentrant_omitted", "checkpoint_sequential"])
+def test_other_forms_fail_without_and_train_with_zeroshim(outcome, form):
+    """A block run twice per step, reached as the docstring says: ``checkpoint`` without ``use_reentrant``
+    (torch 2.x warns and runs reentrant), ``checkpoint_sequential``; and ZeRO-1 with ``overlap_comm``,
+    whose gradient hooks reduce.  Each fails without zeroshim and trains with it to its
+    ``use_reentrant=False`` run bit for bit."""
+    _, ranks = outcome
+    reference = form.format("reference") if not form.startswith("omitted") else "reference/z2"
+    for rank in ranks:
+        without, with_, ref = rank[form.format("without")], rank[form.format("with")], rank[reference]
+        assert not without["ok"] and re.search(SIGNATURE[2], without["error"]), without.get("error")
+        assert with_["ok"] and ref["ok"], (with_.get("error"), ref.get("error"))
+        assert with_["grad_fn"] != "CheckpointFunctionBackward"
+        assert with_["losses"] == ref["losses"] and with_["param_sha256"] == ref["param_sha256"]
+
+
+@pytest.mark.parametrize("case", ["frozen_block/z2", "frozen_block/z3", "zero1/z1"])
+def test_reentrant_is_kept_where_nothing_can_be_reduced_twice(outcome, case):
+    """A block checkpointed reentrantly twice per step, input requiring grad, whose function computes
+    differently in its first forward and its recompute (a ``torch.is_grad_enabled()`` branch: the two
+    forms give different numbers).  Where ZeRO cannot reduce a gradient twice -- the block has no
+    trainable parameter, or ZeRO-1 without ``overlap_comm`` reduces after the backward -- zeroshim keeps
+    it reentrant: the run equals the run without zeroshim bit for bit (earlier releases converted it:
+    different losses at every case)."""
+    _, ranks = outcome
+    for rank in ranks:
+        without, with_ = rank[f"kept/{case}/without"], rank[f"kept/{case}/with"]
+        assert without["ok"] and with_["ok"], (without.get("error"), with_.get("error"))
+        assert with_["losses"] == without["losses"] and with_["param_sha256"] == without["param_sha256"]
+    for rank in ranks:  # 3 steps x 2 calls per run, kept by the rule meant
+        acted = rank["kept/acted"]
+        assert acted["converted"] == 0
+        assert acted["kept_no_trainable_parameter"] == 12 and acted["kept_no_hook_reduction"] == 6

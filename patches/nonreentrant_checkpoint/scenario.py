@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint  # bound before zeroshim is imported
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential  # bound before zeroshim is imported
 
 from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
@@ -29,27 +29,48 @@ STEPS = 3
 
 
 class Net(nn.Module):
-    def __init__(self):
+    """``how`` the encoder is checkpointed: ``checkpoint`` (``use_reentrant`` passed), ``omitted`` (no
+    ``use_reentrant``: torch 2.x warns and runs reentrant) or ``sequential`` (``checkpoint_sequential``
+    in 2 segments: the first layer checkpointed)."""
+
+    def __init__(self, how: str = "checkpoint"):
         super().__init__()
         self.stem = nn.Linear(8, 16)
         self.enc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
         self.head = nn.Linear(16, 4)
         self.use_reentrant = True
+        self.how = how
         self.grad_fn_seen = None
+
+    def encode(self, h):
+        if self.how == "omitted":
+            return checkpoint(self.enc, h)
+        if self.how == "sequential":
+            return checkpoint_sequential(self.enc, 2, h, use_reentrant=self.use_reentrant)
+        return checkpoint(self.enc, h, use_reentrant=self.use_reentrant)
 
     def forward(self, x):
         h = self.stem(x)
-        feats = [checkpoint(self.enc, h[i:i + 1], use_reentrant=self.use_reentrant) for i in range(h.shape[0])]
+        feats = [self.encode(h[i:i + 1]) for i in range(h.shape[0])]
         self.grad_fn_seen = type(feats[0].grad_fn).__name__
         return self.head(torch.cat(feats)).float().pow(2).mean()
 
 
-def train(stage: int, use_reentrant: bool) -> dict:
+def train(stage: int, use_reentrant: bool, how: str = "checkpoint", **zero) -> dict:
+    import warnings
+
     torch.manual_seed(0)
-    model = Net()
+    model = Net(how)
     model.use_reentrant = use_reentrant
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16=stage > 0))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                           config=ds_config(stage, bf16=stage > 0, **zero))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "use_reentrant parameter should be passed"
+        return train_engine(engine, model)
+
+
+def train_engine(engine, model) -> dict:
     gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
     losses = []
     for _ in range(STEPS):
@@ -111,6 +132,74 @@ def train_frozen_input(stage: int) -> dict:
 FROZEN_INPUT_STAGES = (1, 2, 3)
 
 
+class BranchBlock(nn.Module):
+    """Computes differently in a reentrant run's first forward (under no_grad) and its recompute (as
+    any function branching on ``torch.is_grad_enabled()``): the two forms give different numbers, so a
+    run shows which one ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, h):
+        y = self.enc(h)
+        return y if torch.is_grad_enabled() else y * 0.5
+
+
+class BranchNet(nn.Module):
+    """A ``BranchBlock`` checkpointed reentrantly twice per step, its input requiring grad (trainable
+    stem).  ``frozen``: the block's parameters do not require grad."""
+
+    def __init__(self, frozen: bool):
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.block = BranchBlock().requires_grad_(not frozen)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        feats = [checkpoint(self.block, part, use_reentrant=True) for part in (h[:2], h[2:])]
+        return self.head(torch.cat(feats)).float().pow(2).mean()
+
+
+def train_branch(stage: int, frozen: bool, **zero) -> dict:
+    torch.manual_seed(0)
+    model = BranchNet(frozen)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                           config=ds_config(stage, bf16=stage > 0, **zero))
+    gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        loss = engine(torch.randn(4, 8, generator=gen).to(engine.module.head.weight.dtype))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine)}
+
+
+#: where a reentrant call stays reentrant although its input requires grad: a block without trainable
+#: parameters (ZeRO-2, ZeRO-3), ZeRO-1 without overlap_comm (no reduction from gradient hooks)
+KEPT = {"kept/frozen_block/z2": (2, True, {}), "kept/frozen_block/z3": (3, True, {}),
+        "kept/zero1/z1": (1, False, {})}
+#: ZeRO-1 with overlap_comm reduces from gradient hooks: a block run twice per step fails there
+OVERLAP = {"overlap_comm": True}
+#: the other ways to reach reentrant checkpointing the docstring names, at ZeRO-2
+FORMS = ("omitted", "sequential")
+
+
+def run_kept(tag: str) -> dict:
+    return {f"{key}/{tag}": attempt(train_branch, stage, frozen, **zero) for key, (stage, frozen, zero) in KEPT.items()}
+
+
+def run_forms(tag: str) -> dict:
+    out = {f"overlap/{tag}/z1": attempt(train, 1, tag != "reference", **OVERLAP)}
+    for how in FORMS:
+        if how != "omitted" or tag != "reference":  # its reference is the plain use_reentrant=False run
+            out[f"{how}/{tag}/z2"] = attempt(train, 2, tag != "reference", how)
+    return out
+
+
 def run_all(tag: str, use_reentrant: bool, stages) -> dict:
     return {f"{tag}/z{stage}": attempt(train, stage, use_reentrant) for stage in stages}
 
@@ -127,6 +216,9 @@ def main() -> None:
     assert "zeroshim" not in sys.modules or not sys.modules["zeroshim"].is_applied("nonreentrant_checkpoint")
     results.update(run_all("reference", False, stages))
     results.update(run_all("without", True, stages))
+    results.update(run_forms("reference"))
+    results.update(run_forms("without"))
+    results.update(run_kept("without"))
     for stage in FROZEN_INPUT_STAGES:
         results[f"frozen_input/without/z{stage}"] = attempt(train_frozen_input, stage)
 
@@ -134,6 +226,11 @@ def main() -> None:
     results["status"] = {k: v.as_dict() for k, v in zeroshim.status().items()}
     results["alias_is_original"] = checkpoint is torch.utils.checkpoint.checkpoint
     results.update(run_all("with", True, stages))
+    results.update(run_forms("with"))
+    before = zeroshim.stats("nonreentrant_checkpoint")
+    results.update(run_kept("with"))
+    after = zeroshim.stats("nonreentrant_checkpoint")
+    results["kept/acted"] = {k: after[k] - before[k] for k in after}
     before = zeroshim.stats("nonreentrant_checkpoint")
     for stage in FROZEN_INPUT_STAGES:
         results[f"frozen_input/with/z{stage}"] = attempt(train_frozen_input, stage)
