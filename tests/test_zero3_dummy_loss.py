@@ -101,3 +101,53 @@ def test_proof(ranks):
     zeroshim, the reference with it."""
     without, with_, proven = load_proof("zero3_dummy_loss").judge(ranks)
     assert proven, (without, with_)
+
+
+def test_default_persistence_threshold_fails_without_and_matches_the_reference_with(ranks):
+    """DeepSpeed's default stage3_param_persistence_threshold (every parameter here persists): a
+    persistent parameter is still a placeholder until its first gather, so the term fails upstream."""
+    for rank in ranks:
+        without, with_, ref = rank["default/without"], rank["default/with"], rank["default/reference"]
+        assert not without["ok"], "trained without zeroshim: the test cannot fail"
+        assert any(re.search(message(sig), without["error"]) for sig in PATCH.signatures), without["error"]
+        assert ref["ok"] and with_["ok"], (ref.get("error"), with_.get("error"))
+        assert with_["stripped"] >= 1
+        assert with_["losses"] == ref["losses"]
+        assert with_["param_sha256"] == ref["param_sha256"]
+
+
+def test_terms_over_gathered_parameters_are_left_alone(ranks):
+    """A per-rank weight (0 on rank 0, 1 elsewhere) over parameters that are gathered: no bug, it trains
+    upstream with every rank reducing them.  Cutting it on rank 0 only made the ranks reduce different
+    parameters (before: rank 0 SIGABRT in gloo's reduce-scatter, 2 ranks, DeepSpeed 0.19.2)."""
+    for rank in ranks:
+        with_, without = rank["gathered/with/rank_weight"], rank["gathered/without/rank_weight"]
+        assert without["ok"], without.get("error")
+        assert with_["ok"], with_.get("error")
+        assert with_["stripped"] == 0
+        assert with_["losses"] == without["losses"]
+        assert with_["param_sha256"] == without["param_sha256"]
+
+
+def test_a_cut_term_reduces_zeros_for_its_gathered_parameters(ranks):
+    """Rank 0's term mixes a placeholder (the bug) and a gathered parameter the other ranks reduce:
+    the term is cut, and the gathered parameter reduces the zero gradient the term would have sent,
+    so every rank reduces the same parameters; equal to rank 0's term without the placeholder."""
+    for index, rank in enumerate(ranks):
+        with_, ref = rank["gathered/with/mixed"], rank["gathered/reference/mixed"]
+        assert ref["ok"], ref.get("error")
+        assert with_["ok"], with_.get("error")
+        assert (with_["stripped"], with_["zero_filled"]) == ((2, 2) if index == 0 else (0, 0))
+        assert with_["losses"] == ref["losses"]
+        assert with_["param_sha256"] == ref["param_sha256"]
+
+
+def test_plain_loss_backward_is_not_covered(ranks):
+    """DeepSpeed >= 0.18 accepts ``loss.backward()`` under ZeRO; the walk runs in ``engine.backward``
+    only, so a plain backward fails as upstream does (documented under Fix)."""
+    for rank in ranks:
+        if "plain_backward/with" not in rank:
+            pytest.skip(f"DeepSpeed {rank['versions']['deepspeed']} needs engine.backward(loss)")
+        run = rank["plain_backward/with"]
+        assert not run["ok"] and run["stripped"] == 0
+        assert any(re.search(message(sig), run["error"]) for sig in PATCH.signatures), run["error"]

@@ -31,7 +31,8 @@ Cause
 
 Affected versions
     Every ZeRO-3 release: reproduced on DeepSpeed 0.14.1, 0.16.9 and 0.19.8
-    (CPU, 1 and 2 ranks, ``stage3_param_persistence_threshold: 0``).  No
+    (CPU, 1 and 2 ranks, ``stage3_param_persistence_threshold: 0``; and the
+    default threshold on 0.19.2).  No
     upstream fix: the term is wrong for a partitioned parameter.
 
 Flag
@@ -71,6 +72,34 @@ Fix
     step, where the adapter is a placeholder); zeroshim says so once per
     engine (a warning).
 
+    Only where the bug is: a term is cut unless every ZeRO-3 parameter it
+    reaches is persistent (``stage3_param_persistence_threshold``) and
+    already gathered.  Such parameters keep their data outside the forward,
+    so a term over them has their shape and trains upstream; it is left
+    exactly as it is.  Any other ZeRO-3 parameter is a placeholder outside
+    its module's forward, and so is a persistent one before its first
+    gather: with DeepSpeed's default threshold the bug remains for a module
+    not used before the term (tested: it trains to the reference).
+
+    Ranks: under ZeRO-3 every rank must reduce the same parameters in a
+    backward (upstream, a module used on one rank only hangs or aborts the
+    job).  The cut keeps that.  A placeholder that only the cut term reached
+    is not reduced: no rank can have used it without gathering it, which all
+    ranks do together.  A gathered parameter that only the cut term reached
+    reduces the zero gradient the term would have sent, since another rank
+    may reduce it.  Tested on 2 ranks: a weight of 0 on rank 0 and 1 on the
+    other, over gathered parameters, is unchanged bit for bit (the version
+    before cut it on rank 0 only, and gloo's reduce-scatter aborted rank 0);
+    a term mixing a placeholder with a parameter the other rank reduces
+    equals the same term without the placeholder.  A rank whose weight over
+    a placeholder is not zero fails as upstream does, loudly.
+
+    Not covered: a plain ``loss.backward()``, which DeepSpeed >= 0.18
+    accepts under ZeRO (the engine finishes the backward from a hook on its
+    forward's output, too late for the walk).  It fails as upstream does
+    (tested); call ``engine.backward(loss)``, as HF Trainer and accelerate
+    do.
+
 Undo
     ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``
     and ``DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads``.
@@ -87,12 +116,18 @@ from zeroshim._patcher import Patcher, guard, require, require_attr
 NAME = "zero3_dummy_loss"
 
 _MUL_NODES = ("MulBackward0", "MulBackward1")
-# ids of the parameters whose only gradient path was cut, for the backward now
-# running (ids, not a WeakSet: tensors compare elementwise; parameters outlive it).
-_cut_params: set = set()
+# id -> _SKIP or _ZERO for the parameters a cut term reached, for the backward now running
+# (ids, not a WeakSet: tensors compare elementwise; parameters outlive it).  Where the cut term
+# was a parameter's only path, its DeepSpeed gradient hook still fires, with ``grad`` None: a
+# partitioned parameter is not reduced (_SKIP: no rank can have used it without gathering it,
+# which every rank must do together); a persistent, gathered one reduces the zero gradient the
+# term would have sent (_ZERO: another rank may reduce it, and every rank must reduce the same
+# parameters).
+_SKIP, _ZERO = "skip", "zero"
+_cut_params: dict = {}
 _announced: "weakref.WeakSet" = weakref.WeakSet()
 #: terms stripped since import (introspection and tests)
-stats = {"stripped": 0, "backward_calls_walked": 0, "nan_loss_seen": 0}
+stats = {"stripped": 0, "backward_calls_walked": 0, "nan_loss_seen": 0, "zero_filled": 0}
 
 
 #: a tensor factor is read (and compared with zero) only up to this many elements
@@ -147,16 +182,36 @@ def _zero_multiplication(node) -> bool:
     return _candidate(node) and _factor_is_zero(node)
 
 
+def _is_placeholder(param) -> bool:
+    """A ZeRO-3 parameter whose data is the empty placeholder now."""
+    return param.data.numel() == 0 and getattr(param, "ds_numel", 0) > 0
+
+
+def _gathered_for_good(param) -> bool:
+    """A persistent ZeRO-3 parameter (``ds_persist``, DeepSpeed's
+    ``stage3_param_persistence_threshold``) already gathered: it keeps its
+    data outside the forward, so a term over it records its real shape and
+    is no bug.  Any other ZeRO-3 parameter is released after its module's
+    forward (a placeholder; DeepSpeed may keep it a little longer, but not
+    until the gradient arrives), and so is a persistent one before its first
+    gather."""
+    return bool(getattr(param, "ds_persist", False)) and not _is_placeholder(param)
+
+
 def _zero_term_params(node):
     """The ZeRO-3 parameters a zero-weighted term rooted at ``node`` reaches
-    directly (see :func:`_direct_zero3_params`), else None.  A tensor factor is
-    read last, only for terms that reach such parameters."""
+    directly (see :func:`_direct_zero3_params`), unless every one of them is
+    :func:`_gathered_for_good`: such a term is no bug (its gradient has their
+    shape, upstream trains it), so it is left alone.  A tensor factor is read last, only for terms
+    that reach such parameters."""
     if not _candidate(node):
         return None
-    if type(node).__name__ == "MulBackward1":  # the factor is a number, free to read
-        return _direct_zero3_params(node) if _factor_is_zero(node) else None
+    if type(node).__name__ == "MulBackward1" and not _factor_is_zero(node):  # a number, free to read
+        return None
     params = _direct_zero3_params(node)
-    return params if params and _factor_is_zero(node) else None
+    if not params or all(_gathered_for_good(p) for p in params):
+        return None
+    return params if type(node).__name__ == "MulBackward1" or _factor_is_zero(node) else None
 
 
 def _is_deepspeed_hook_node(node) -> bool:
@@ -205,7 +260,8 @@ def strip_zero_terms(loss) -> int:
         params = _zero_term_params(node)
         if params:
             node.register_prehook(_undefined)
-            _cut_params.update(id(p) for p in params)
+            for p in params:  # what the hook does if the cut term was this parameter's only path
+                _cut_params[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
             cut += 1
             continue
         stack.extend(fn for fn, _ in node.next_functions)
@@ -244,8 +300,12 @@ def _engine_backward(wrapped, instance, args, kwargs):
 
 def _reduce_ready(wrapped, instance, args, kwargs):
     with guard(NAME):
-        if args and _cut_params and args[0].grad is None and id(args[0]) in _cut_params:
+        what = _cut_params.get(id(args[0])) if args and _cut_params and args[0].grad is None else None
+        if what is not None and (what == _SKIP or _is_placeholder(args[0])):
             return None  # its only gradient path was a stripped zero term: as if the hook had not fired
+        if what == _ZERO and not _is_placeholder(args[0]):  # released since (empty_partition_cache): skip
+            stats["zero_filled"] += 1
+            args[0].grad = args[0].data.new_zeros(args[0].data.shape)  # what 0 * term sends it
     return wrapped(*args, **kwargs)
 
 

@@ -115,6 +115,101 @@ def train(stage, placement, zero_name=None) -> dict:
     return {"losses": losses, **param_digest(engine)}
 
 
+def default_threshold_config(stage=3, **zero) -> dict:
+    """``ds_config`` with DeepSpeed's own ``stage3_param_persistence_threshold``
+    (1e5 elements: every parameter here is persistent, gathered at its first use
+    and kept) unless ``zero`` names one."""
+    cfg = ds_config(stage, bf16=True, **zero)
+    if "stage3_param_persistence_threshold" not in zero:
+        cfg["zero_optimization"].pop("stage3_param_persistence_threshold", None)
+    return cfg
+
+
+def train_default_threshold(with_term: bool) -> dict:
+    """The adapter never used, a zero term over it, DeepSpeed's default
+    persistence threshold: persistent parameters are placeholders until their
+    first gather, so the term still records shape [0]."""
+    torch.manual_seed(0)
+    model = Net(use_adapter=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=default_threshold_config())
+    gen = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen).to(engine.module.body.weight.dtype)
+        loss = engine(x)
+        if with_term:
+            loss = loss + dummy_term(engine.module, 0.0)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine)}
+
+
+def train_gathered(kind: str) -> dict:
+    """Terms over parameters that are gathered when the term is built.  Step 0
+    runs the adapter on every rank (its persistent parameters are gathered then
+    and kept); later steps leave it out of the forward and add a term instead:
+
+    * ``rank_weight``: ``sum(p.sum()) * w`` over the (gathered) adapter with a
+      per-rank weight, 0 on rank 0 and 1 on the others: no bug, it trains
+      upstream (every rank reduces the adapter); must be left as it is;
+    * ``mixed``: rank 0 adds ``(adapter[0].weight.sum() + adapter[1].bias.sum())
+      * 0`` -- a partitioned placeholder (the bug) and a gathered parameter --
+      while the other ranks add ``adapter[1].bias.sum() * 1``, so every rank
+      must reduce ``adapter[1].bias``;
+    * ``mixed_reference``: as ``mixed``, rank 0's term without the placeholder.
+    """
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = Net(use_adapter=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # mixed: small tensors (the biases) persist, the adapter's weights are partitioned; no prefetching,
+    # because the module order changes after step 0 (DeepSpeed < 0.15.3 then fails with "still have
+    # inflight params" without zeroshim: patch zero3_inflight_params, not this one)
+    zero = {} if kind == "rank_weight" else {"stage3_param_persistence_threshold": 20,
+                                             "stage3_prefetch_bucket_size": 0}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=default_threshold_config(**zero))
+    gen = torch.Generator().manual_seed(10 + rank)
+    adapter = engine.module.adapter
+    losses = []
+    for step in range(STEPS + 1):
+        engine.module.use_adapter = step == 0
+        x = torch.randn(4, 8, generator=gen).to(engine.module.body.weight.dtype)
+        loss = engine(x)
+        if step:
+            if kind == "rank_weight":
+                loss = loss + dummy_term(engine.module, torch.tensor(float(rank > 0)))
+            elif rank > 0:
+                loss = loss + adapter[1].bias.sum() * 1.0
+            elif kind == "mixed":
+                loss = loss + (adapter[0].weight.sum() + adapter[1].bias.sum()) * 0.0
+            else:
+                loss = loss + adapter[1].bias.sum() * 0.0
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, **param_digest(engine)}
+
+
+def train_plain_backward() -> dict:
+    """``loss.backward()`` instead of ``engine.backward(loss)`` (DeepSpeed >= 0.18
+    accepts it under ZeRO): the walk runs in ``engine.backward`` only."""
+    torch.manual_seed(0)
+    model = Net(use_adapter=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(3, bf16=True))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).to(engine.module.body.weight.dtype)
+    (engine(x) + dummy_term(engine.module, 0.0)).backward()
+    engine.step()
+    return param_digest(engine)
+
+
+# Releases that run plain tensor.backward() under ZeRO (the engine hooks its forward output to finish the backward)
+PLAIN_BACKWARD = hasattr(deepspeed.runtime.engine.DeepSpeedEngine, "_backward_post_hook")
+GATHERED = ("rank_weight", "mixed", "mixed_reference")
+
+
 def main():
     import argparse
 
@@ -138,6 +233,10 @@ def main():
     results["whole_loss_zero/without"] = attempt(train_whole_loss_zero, 3)
     for form in FORMS:
         results[f"form/without/{form}"] = attempt(train_form, form)
+    results["default/reference"] = attempt(train_default_threshold, False)
+    results["default/without"] = attempt(train_default_threshold, True)
+    results["gathered/without/rank_weight"] = attempt(train_gathered, "rank_weight")
+    results["gathered/reference/mixed"] = attempt(train_gathered, "mixed_reference")
 
     zeroshim = enable_zeroshim()
 
@@ -163,6 +262,20 @@ def main():
         run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
         run["nan_warned"] = zeroshim.stats("zero3_dummy_loss").get("nan_loss_seen", 0) - nan_before
         results[f"form/with/{form}"] = run
+
+    def counted(key, fn, *args):
+        stats = zeroshim.stats("zero3_dummy_loss")
+        before, filled = stats["stripped"], stats["zero_filled"]
+        run = attempt(fn, *args)
+        stats = zeroshim.stats("zero3_dummy_loss")
+        run.update(stripped=stats["stripped"] - before, zero_filled=stats["zero_filled"] - filled)
+        results[key] = run
+
+    counted("default/with", train_default_threshold, True)
+    for kind in ("rank_weight", "mixed"):
+        counted(f"gathered/with/{kind}", train_gathered, kind)
+    if PLAIN_BACKWARD:
+        counted("plain_backward/with", train_plain_backward)
     end(out, results)
 
 
