@@ -224,6 +224,29 @@ def test_dataloader_hook_acts_on_the_engine_whose_training_loader_it_is_after_st
         assert (actor.emptied, reference.emptied) == (1, 0)
 
 
+def test_a_new_pass_before_the_previous_one_ended_is_no_epoch():
+    """``next(iter(loader))`` to look at a batch in the middle of an epoch (perhaps on one rank) starts a
+    new pass of the training loader after training steps: not an epoch boundary every rank passes."""
+    dl = pytest.importorskip("deepspeed.runtime.dataloader")
+    training = dl.DeepSpeedDataLoader(list(range(6)), batch_size=2, pin_memory=False, local_rank=0,
+                                      tput_timer=None, num_local_io_workers=0, data_parallel_world_size=1,
+                                      data_parallel_rank=0)
+    actor = FakeEngine(training)
+    with alive(actor):
+        assert len(list(training)) == 3  # epoch 1, to its end
+        actor.micro_steps += 3
+        it = iter(training)  # epoch 2: a boundary
+        assert actor.emptied == 1
+        next(it)
+        actor.micro_steps += 1
+        next(iter(training))  # a look at a batch, the pass not finished: no boundary
+        assert actor.emptied == 1
+        list(training)
+        actor.micro_steps += 3
+        iter(training)  # that pass ran to its end: the next one is an epoch
+        assert actor.emptied == 2
+
+
 def test_a_failure_while_freeing_never_breaks_the_epoch(caplog):
     tc = pytest.importorskip("transformers.trainer_callback")
 

@@ -265,7 +265,9 @@ def test_a_block_without_trainable_parameters_stays_reentrant(zero_engine):
     (1, {"partition_gradients": False, "overlap_comm": False}, True),  # ZeRO-1: reduces after the backward
     (1, {"partition_gradients": False, "overlap_comm": True}, False),  # ZeRO-1 + overlap_comm: from hooks
     (2, {"partition_gradients": True, "overlap_comm": False}, False),
-    (1, "BF16_Optimizer", True),  # ZeRO-1, bf16, fp32 gradient accumulation
+    (1, ("BF16_Optimizer", {"immediate_grad_update": False}), True),  # ZeRO-1, bf16, fp32 grad accumulation
+    # ... whose hook adds lp.grad into the fp32 gradient at every firing (0.16.9's default): converted
+    (1, ("BF16_Optimizer", {"immediate_grad_update": True}), False),
     (1, None, False),  # unknown: converted
     (3, None, False)])
 def test_engines_that_reduce_after_the_backward_keep_reentrant(layer, stage, optimizer, kept):
@@ -275,7 +277,8 @@ def test_engines_that_reduce_after_the_backward_keep_reentrant(layer, stage, opt
     if isinstance(optimizer, dict):
         engine.optimizer = types.SimpleNamespace(**optimizer)
     elif optimizer:
-        engine.optimizer = type(optimizer, (), {})()
+        name, attrs = optimizer
+        engine.optimizer = type(name, (), attrs)()
     ncp._zero_engines[engine] = stage
     try:
         assert (grad_fn_name(layer) == "CheckpointFunctionBackward") == kept

@@ -76,10 +76,11 @@ Fix
       own training loader (``engine.training_dataloader``, made by
       ``deepspeed.initialize(training_data=...)``), and that engine took
       optimizer steps (``engine.micro_steps``) since the loader was last
-      iterated: it acts on that engine only.  Every rank iterates the training
-      loader in lock-step (its steps are collectives, each rank's sampler has
-      the same length); the step condition keeps a look at a batch on one
-      rank (``next(iter(loader))`` before training) from counting as an
+      iterated, and its previous pass ran to the end: it acts on that engine
+      only.  Every rank iterates the training loader in lock-step (its steps
+      are collectives, each rank's sampler has the same length); the two
+      conditions keep a look at a batch on one rank (``next(iter(loader))``,
+      before training or in the middle of an epoch) from counting as an
       epoch.  Any other ``DeepSpeedDataLoader`` (``engine.deepspeed_io(...)``
       for evaluation, perhaps iterated on one rank only) is left alone.
     * ``zeroshim.epoch_boundary(engine=None)`` for custom loops: releases
@@ -100,6 +101,7 @@ Undo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import weakref
@@ -206,6 +208,16 @@ def _trainer_epoch_begin(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _unfinished(loader) -> bool:
+    """Is ``loader``'s current pass still running?  DeepSpeedDataLoader keeps the pass in ``data``, a
+    generator over its torch DataLoader (0.14.1 to 0.19.8): a finished one has no frame.  A new pass
+    before the end (``next(iter(loader))`` to look at a batch, perhaps on one rank) is no epoch
+    boundary that every rank passes.  Another form (curriculum learning's ``data_iterator``): not
+    known to be unfinished."""
+    data = getattr(loader, "data", None)
+    return inspect.isgenerator(data) and data.gi_frame is not None
+
+
 def _dataloader_iter(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedDataLoader.__iter__``: iterating an engine's training loader again, after
     training steps, starts an epoch of that engine."""
@@ -222,6 +234,9 @@ def _dataloader_iter(wrapped, instance, args, kwargs):
             elif steps == previous:
                 log.debug("zeroshim[%s]: a training DeepSpeedDataLoader was iterated again without training "
                           "steps since its last iteration; nothing released", NAME)
+            elif _unfinished(instance):
+                log.debug("zeroshim[%s]: a training DeepSpeedDataLoader was iterated again before its epoch "
+                          "ended (a look at a batch on some rank?); nothing released", NAME)
             else:
                 _free(owners, "DeepSpeedDataLoader re-iterated")
     return wrapped(*args, **kwargs)

@@ -77,7 +77,11 @@ Fix
     * an engine whose optimizer reduces after the backward, not from gradient
       hooks: ZeRO-1 without ``overlap_comm`` (``DeepSpeedZeroOptimizer``
       without ``partition_gradients`` or ``overlap_comm``) and
-      ``BF16_Optimizer`` (ZeRO-1 with bf16 and fp32 gradient accumulation).
+      ``BF16_Optimizer`` (ZeRO-1 with bf16 and fp32 gradient accumulation)
+      without ``immediate_grad_update``.  With it (0.16.9's default), a hook
+      adds the bf16 gradient into the fp32 one at every firing without
+      clearing it, so a block run twice would count its first gradient
+      twice, silently: converted (read in 0.16.9 and 0.19.2, not run).
       The engine whose forward is running decides; outside any forward, any
       live ZeRO engine that reduces from hooks makes the call convert.  ZeRO-2
       and ZeRO-3 always reduce from hooks.
@@ -275,15 +279,20 @@ def _reduces_in_hooks(engine) -> bool:
     where a second nested backward through the same parameter is a second reduction?  ZeRO-2 and ZeRO-3
     do.  ZeRO-1 (``DeepSpeedZeroOptimizer`` without ``partition_gradients``) does only with
     ``overlap_comm``; without it, it reduces every gradient once in ``reduce_gradients`` after the
-    backward (``stage_1_and_2.py``: ``process_gradients``), and ``BF16_Optimizer`` (ZeRO-1 with bf16 and
-    fp32 gradient accumulation) reduces after the backward too.  Anything else: assumed to (convert)."""
+    backward (``stage_1_and_2.py``: ``process_gradients``).  ``BF16_Optimizer`` (ZeRO-1 with bf16 and
+    fp32 gradient accumulation) reduces after the backward too, unless ``immediate_grad_update`` is on
+    (the default in some releases, e.g. 0.16.9): then a gradient hook adds ``lp.grad`` into the fp32
+    gradient at every firing without clearing it, so a second nested backward would add the first
+    micro-gradient twice, silently.  Anything else: assumed to (convert)."""
     if _zero_engines.get(engine, 0) >= 2:
         return True
     optimizer = getattr(engine, "optimizer", None)
     partition, overlap = getattr(optimizer, "partition_gradients", None), getattr(optimizer, "overlap_comm", None)
     if isinstance(partition, bool) and isinstance(overlap, bool):
         return partition or overlap
-    return type(optimizer).__name__ != "BF16_Optimizer"
+    if type(optimizer).__name__ == "BF16_Optimizer":
+        return bool(getattr(optimizer, "immediate_grad_update", True))
+    return True
 
 
 def _hook_reduction_in_use() -> bool:

@@ -292,7 +292,7 @@ def _split(ranges, mappings):
 # workers) never wait.  ``_lock`` guards ``_window`` and is held only around madvise calls.
 _window = {"owner": None, "ranges": [], "marked": False, "forking": 0}
 _window_lock = threading.Lock()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler or __del__ that forks on a thread holding it
 _thread = threading.local()
 _hooks = {"registered": False, "active": False}
 
@@ -325,7 +325,7 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     global _lock, _window_lock
-    _lock, _window_lock = threading.Lock(), threading.Lock()  # another thread may have held them at the fork
+    _lock, _window_lock = threading.RLock(), threading.Lock()  # another thread may have held them at the fork
     _window.update(owner=None, ranges=[], marked=False, forking=0)
     _thread.forking = False
 
@@ -338,7 +338,9 @@ def _open(ranges) -> None:
             _window["marked"] = True
 
 
-def _close() -> None:
+def _close(window_lock) -> None:
+    """Unmark and close the window; ``window_lock`` is the lock object its opening acquired (in a child
+    forked inside the window, the module's ``_window_lock`` is a new, unlocked one)."""
     try:
         with guard(NAME), _lock:
             try:
@@ -347,11 +349,7 @@ def _close() -> None:
             finally:
                 _window.update(owner=None, ranges=[], marked=False)
     finally:
-        _window_lock.release()
-
-
-def _engines_with_cpu_state() -> list:
-    return [engine for engine in _engines.live(1) if offloaded_buffers(engine)]
+        window_lock.release()
 
 
 def _forks(loader) -> bool:
@@ -369,14 +367,14 @@ def _forks(loader) -> bool:
 def _iterator_init(wrapped, instance, args, kwargs):
     """Wraps ``_MultiProcessingDataLoaderIter.__init__(loader)``: start the workers
     with the offloaded buffers' pages out of their address space."""
-    window = []  # [True] once this call holds the window: it is closed whatever happens next
+    window = []  # [the window lock] once this call holds the window: it is closed whatever happens next
     try:
         with guard(NAME):
             _start(args[0] if args else kwargs.get("loader"), window)
         return wrapped(*args, **kwargs)
     finally:
         if window:
-            _close()
+            _close(window[0])
 
 
 def _start(loader, window: list) -> None:
@@ -393,9 +391,10 @@ def _start(loader, window: list) -> None:
     kept = []
     if ranges:
         _window_lock.acquire()  # one window at a time
-        window.append(True)
+        window.append(_window_lock)
         mappings, why = _mappings(ranges)
         if mappings is None:
+            window.pop().release()  # nothing marked: no window to hold while the workers start
             stats["skipped"] += 1
             _log.info("zeroshim[%s]: DataLoader workers start with the offloaded buffers: %s, so zeroshim cannot "
                       "tell which pages already carry MADV_DONTFORK (set by an RDMA library, a driver or the "

@@ -301,9 +301,9 @@ def _engine_backward(wrapped, instance, args, kwargs):
 def _reduce_ready(wrapped, instance, args, kwargs):
     with guard(NAME):
         what = _cut_params.get(id(args[0])) if args and _cut_params and args[0].grad is None else None
-        if what is not None and (what == _SKIP or _is_placeholder(args[0])):
+        if what is not None and (what == _SKIP or _is_placeholder(args[0])):  # _ZERO released since: skip
             return None  # its only gradient path was a stripped zero term: as if the hook had not fired
-        if what == _ZERO and not _is_placeholder(args[0]):  # released since (empty_partition_cache): skip
+        if what == _ZERO and not _is_placeholder(args[0]):
             stats["zero_filled"] += 1
             args[0].grad = args[0].data.new_zeros(args[0].data.shape)  # what 0 * term sends it
     return wrapped(*args, **kwargs)
