@@ -12,10 +12,10 @@ NAME = "zero3_conversion_dropped_keys"
 # measured on 5.0.0 to 5.5.0 and 5.23.0); the matrix has 4.49, 4.57 and 5.23, where the patch must be harmless.
 TRANSFORMERS = _versions.installed("transformers")
 AFFECTED = TRANSFORMERS is not None and _versions.base_version(TRANSFORMERS) == _versions.base_version("5.0.0")
-# The patch's whole range: 5.0.0 (above) and 5.2.0 to 5.5.4, where the unscoped ``^model.language_model -> model``
+# The patch's whole range: 5.0.0 (above) and 5.4.0 to 5.5.4, where the unscoped ``^model.language_model -> model``
 # renaming of the Qwen3.5 / Gemma3n text models drops a vision-language model's own language-model keys (measured
-# on 5.4.0, 5.5.0, 5.5.2, 5.5.4; 5.6.0 and 5.23.0 load them).
-APPLIES, _ = _versions.check_affected({"transformers": ">=5.0.0,<5.6.0,!=5.1.*"})
+# on 5.4.0, 5.5.0, 5.5.2, 5.5.4; 5.2.0, 5.3.0, 5.6.0 and 5.23.0 load them).
+APPLIES, _ = _versions.check_affected({"transformers": ">=5.0.0,<5.6.0,!=5.1.*,!=5.2.*,!=5.3.*"})
 VLM_AFFECTED = APPLIES and not AFFECTED
 
 
@@ -71,7 +71,7 @@ def vlm_ranks(tmp_path_factory):
 
 
 def test_vlm_language_model_keys(vlm_ranks):
-    """5.2.0 to 5.5.4: the 27 language-model parameters (of 49) are re-initialised under ZeRO-3 without zeroshim
+    """5.4.0 to 5.5.4: the 27 language-model parameters (of 49) are re-initialised under ZeRO-3 without zeroshim
     (huggingface/transformers#45313); with zeroshim, and on releases without the bug, the ZeRO-3 load equals the
     load without ZeRO-3 bit for bit."""
     proof = load_proof(NAME)

@@ -17,7 +17,7 @@ Symptom
       format loses all 21 of 21, as deepspeedai/DeepSpeed#7848 reports for
       Qwen3-Next.
     * Qwen3.5 vision-language models (``Qwen3_5ForConditionalGeneration``),
-      transformers 5.2.0 to 5.5.4: every ``model.language_model.*`` parameter
+      transformers 5.4.0 to 5.5.4: every ``model.language_model.*`` parameter
       (huggingface/transformers#45313, reported on 5.4.0 for Qwen3.5-9B/27B).
       Measured (2 ranks, gloo, tiny Qwen3.5 with a 2-layer language model and a
       1-block vision tower, saved under its own key names as the hub's
@@ -36,8 +36,9 @@ Cause
       WeightConverter): continue``), and then adds "the keys that didn't need
       conversion" by iterating ``state_dict`` -- now empty.  So every key that
       only needed renaming (or nothing) is dropped.
-    * 5.2.0 to 5.5.4: ``get_model_conversion_mapping`` collects the renamings of
-      every ``PreTrainedModel`` inside the model, unscoped; the text model inside
+    * 5.4.0 to 5.5.4: ``get_model_conversion_mapping`` collects the renamings of
+      every ``PreTrainedModel`` inside the model, unscoped (5.3.0 takes only the
+      top model's ``model_type``: "TODO: should be checked recursively"); the text model inside
       the Qwen3.5 vision-language model brings ``qwen3_5_text``'s
       ``^model.language_model -> model`` (meant for loading a vision-language
       checkpoint into ``Qwen3_5ForCausalLM``), which renames the model's own
@@ -48,7 +49,7 @@ Cause
     The path without ZeRO-3 (``core_model_loading``) loads both checkpoints fully.
 
 Affected versions
-    transformers ``>=5.0.0,<5.6.0`` except 5.1.0, every DeepSpeed.  The MoE form:
+    transformers 5.0.0 and ``>=5.4.0,<5.6.0``, every DeepSpeed.  The MoE form:
     ``==5.0.0`` (read from the released wheels: 5.1.0 copies the keys that need
     no conversion straight into the result while collecting, read only: the
     legacy Mixtral fails earlier there; 5.2.0, 5.3.0, 5.4.0, 5.5.0 and 5.23.0
@@ -56,11 +57,11 @@ Affected versions
     has no conversion mapping).  5.1.0 fails loudly on the legacy Mixtral
     checkpoint instead (``RuntimeError: Failed to apply weight conversion for
     'model.layers.0.mlp.experts.gate_up_proj' ... not enough values to
-    unpack``), not handled here.  The Qwen3.5 form: 5.2.0 (Qwen3.5 and the
-    unscoped renaming appear, read from the wheels; 5.2.0 and 5.3.0 not
-    measured) to 5.5.4 (measured on 5.4.0, 5.5.0, 5.5.2, 5.5.4).  The same
-    renaming is registered for ``gemma3n_text`` (5.2.0 to 5.5.4, read only:
-    Gemma3n not measured).  No source fingerprint: the two forms live in two
+    unpack``), not handled here.  The Qwen3.5 form: 5.4.0 to 5.5.4 (measured
+    on 5.4.0, 5.5.0, 5.5.2, 5.5.4; 5.2.0 and 5.3.0 have Qwen3.5 and the
+    renaming but do not collect a submodel's renamings: loaded bit for bit,
+    measured; 5.6.0 and 5.23.0 too).  The same renaming is registered for
+    ``gemma3n_text`` (read only: Gemma3n not measured).  No source fingerprint: the two forms live in two
     modules.  Not this patch: a tiny LLaVA saved with the legacy
     ``language_model.model.*`` / ``language_model.lm_head`` keys loads its
     language model under ZeRO-3 bit for bit as without it on 5.0.0, 5.4.0 and
@@ -99,7 +100,7 @@ from zeroshim._patcher import Patcher, guard, require_attr, require_params
 
 NAME = "zero3_conversion_dropped_keys"
 #: calls: conversions with a WeightConverter seen; restored: plain keys put back under their renamed name (5.0.0);
-#: kept: keys put back under their own name, a model parameter the conversion renamed away (5.2.0 to 5.5.4)
+#: kept: keys put back under their own name, a model parameter the conversion renamed away (5.4.0 to 5.5.4)
 stats = {"calls": 0, "restored": 0, "kept": 0}
 
 
@@ -126,7 +127,7 @@ def _restore(model, before: dict, weight_mapping, result: dict) -> int:
 
 def _keep_own_names(model, before: dict, result: dict) -> int:
     """Put back each checkpoint key that is itself a parameter or buffer name of the model and that the
-    conversion left unfilled: a renaming meant for another checkpoint layout (5.2.0 to 5.5.4: the
+    conversion left unfilled: a renaming meant for another checkpoint layout (5.4.0 to 5.5.4: the
     ``qwen3_5_text`` / ``gemma3n_text`` ``^model.language_model -> model`` renaming, collected from the text
     submodule of the vision-language model and applied to its own keys) moved it to a name the model lacks."""
     own = set(model.state_dict().keys())
@@ -179,12 +180,12 @@ def _reset() -> None:
 PATCH = Patch(
     name=NAME,
     summary="ZeRO-3 from_pretrained drops checkpoint keys while converting them (5.0.0: every key of an MoE model "
-            "that needed no conversion; 5.2.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "
+            "that needed no conversion; 5.4.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "
             "models): they load as MISSING and are re-initialised",
     signatures=(),  # silent apart from transformers' generic LOAD REPORT
-    versions="transformers 5.0.0 (MoE plain keys) and 5.2.0 to 5.5.4 (Qwen3.5 / Gemma3n language_model.*); "
-             "5.1.0 and >=5.6.0 keep them; 4.x has no weight conversion; every DeepSpeed",
-    affects={"transformers": ">=5.0.0,<5.6.0,!=5.1.*"},
+    versions="transformers 5.0.0 (MoE plain keys) and 5.4.0 to 5.5.4 (Qwen3.5 / Gemma3n language_model.*); "
+             "5.1.0 to 5.3.0 and >=5.6.0 keep them; 4.x has no weight conversion; every DeepSpeed",
+    affects={"transformers": ">=5.0.0,<5.6.0,!=5.1.*,!=5.2.*,!=5.3.*"},
     # no source fingerprint: the two forms live in two modules (5.0.0's loop in integrations/deepspeed.py, the
     # unscoped renaming in conversion_mapping.py), and one fingerprint decides over the version range
     targets={"transformers.integrations.deepspeed": patch_integrations_deepspeed},
