@@ -80,8 +80,11 @@ Fix
       the model that the result lacks is put back under its renamed key --
       what 5.0.0 meant to do and what 5.1.0 does;
     * each key that is itself the name of a parameter or buffer of the model and
-      that the result lacks is put back under that name -- the checkpoint
-      names the parameter exactly, and the load without ZeRO-3 fills it so.
+      that the result lacks is put back under that name -- what the load
+      without ZeRO-3 does (5.4.0's ``convert_and_load_state_dict_in_model``:
+      "Key should probably not have been renamed", where the renamed key is not
+      in the model and the original is; it also adds or strips the base-model
+      prefix there, which this does not).
 
     Converted keys are never touched, nor is a parameter the result already
     has.  One WARNING on global rank 0 the first time a key is put back.
