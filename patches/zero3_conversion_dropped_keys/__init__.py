@@ -1,63 +1,98 @@
-"""Keep the plain (rename-only) checkpoint keys that transformers 5.0.0 drops when it converts weights for a ZeRO-3 load.
+"""Put back the checkpoint keys that transformers 5.x drops when it converts weights for a ZeRO-3 load.
 
 Symptom
-    Silent: ``from_pretrained`` under a ZeRO-3 ``HfDeepSpeedConfig`` of a model
-    whose conversion mapping fuses weights (the MoE families: Mixtral,
-    Qwen2/Qwen3-MoE, DeepSeek-V2/V3, Qwen3-Next, ...) prints a LOAD REPORT with
-    every non-expert parameter ``MISSING``; those parameters are re-initialised
-    and training proceeds on noise (huggingface/transformers#43257,
-    deepspeedai/DeepSpeed#7848).  Measured (2 ranks, gloo, tiny Mixtral saved
-    with the legacy ``block_sparse_moe.experts.N.w1/w2/w3`` keys, DeepSpeed
-    0.19.8, transformers 5.0.0): 17 of 21 parameters differ from the same
-    checkpoint loaded without ZeRO-3 (embeddings, attention, router, norms,
-    ``lm_head``); the 4 fused expert tensors are right.  A checkpoint already
-    saved in 5.x's fused format loses all 21 of 21 (each key then needs only
-    renaming), as deepspeedai/DeepSpeed#7848 reports for Qwen3-Next on 5.0.0.
-    transformers prints its generic LOAD REPORT (``... | MISSING``), which
-    other causes print too: no signature.
+    Silent: ``from_pretrained`` under a ZeRO-3 ``HfDeepSpeedConfig`` prints a
+    LOAD REPORT with parameters ``MISSING``; they are re-initialised and
+    training proceeds on noise.  transformers prints its generic LOAD REPORT
+    (``... | MISSING``), which other causes print too: no signature.  Two forms:
+
+    * MoE models whose conversion mapping fuses weights (Mixtral,
+      Qwen2/Qwen3-MoE, DeepSeek-V2/V3, Qwen3-Next, ...), transformers 5.0.0:
+      every non-expert parameter (deepspeedai/DeepSpeed#7848,
+      huggingface/transformers#43940).  huggingface/transformers#43257 is the
+      reverse (only the fused expert tensors MISSING, Qwen3-MoE on 5.0.0.dev0,
+      fixed by #43524): not seen on the released 5.0.0 with the tiny Mixtral,
+      whose fused expert tensors load right; Qwen3-MoE itself not measured.  Measured (2 ranks, gloo, tiny Mixtral saved
+      with the legacy ``block_sparse_moe.experts.N.w1/w2/w3`` keys, DeepSpeed
+      0.19.8): 17 of 21 parameters differ from the same checkpoint loaded
+      without ZeRO-3 (embeddings, attention, router, norms, ``lm_head``); the 4
+      fused expert tensors are right.  A checkpoint already saved in 5.x's fused
+      format loses all 21 of 21, as deepspeedai/DeepSpeed#7848 reports for
+      Qwen3-Next.
+    * Qwen3.5 vision-language models (``Qwen3_5ForConditionalGeneration``),
+      transformers 5.4.0 to 5.5.4: every ``model.language_model.*`` parameter
+      (huggingface/transformers#45313, reported on 5.4.0 for Qwen3.5-9B/27B).
+      Measured (2 ranks, gloo, tiny Qwen3.5 with a 2-layer language model and a
+      1-block vision tower, saved under its own key names as the hub's
+      checkpoints are): 27 of 49 parameters differ (all of the language model;
+      the vision tower and ``lm_head`` are right) on 5.4.0, 5.5.0, 5.5.2 and
+      5.5.4; none on 5.6.0 and 5.23.0.
 
 Cause
     ``transformers.integrations.deepspeed._apply_weight_conversions_to_state_dict``
-    (5.0.0), on its path for mappings with a ``WeightConverter``, pops every key
-    out of ``state_dict`` while collecting them, skips the ``WeightRenaming``
-    groups when it realises the conversions (``if not isinstance(mapping,
-    WeightConverter): continue``), and then adds "the keys that didn't need
-    conversion" by iterating ``state_dict`` -- now empty.  So every key that
-    only needed renaming (or nothing) is dropped, and ``_load_state_dict_into_zero3_model``
-    reports it missing.  The path without ZeRO-3 (``core_model_loading``) is not affected.
+    renames (and converts) the checkpoint keys before ``_load_state_dict_into_zero3_model``
+    loads them, and drops every key whose new name is not a model parameter.
+
+    * 5.0.0, on its path for mappings with a ``WeightConverter``, pops every key
+      out of ``state_dict`` while collecting them, skips the ``WeightRenaming``
+      groups when it realises the conversions (``if not isinstance(mapping,
+      WeightConverter): continue``), and then adds "the keys that didn't need
+      conversion" by iterating ``state_dict`` -- now empty.  So every key that
+      only needed renaming (or nothing) is dropped.
+    * 5.4.0 to 5.5.4: ``get_model_conversion_mapping`` collects the renamings of
+      every ``PreTrainedModel`` inside the model, unscoped (5.3.0 takes only the
+      top model's ``model_type``: "TODO: should be checked recursively"); the text model inside
+      the Qwen3.5 vision-language model brings ``qwen3_5_text``'s
+      ``^model.language_model -> model`` (meant for loading a vision-language
+      checkpoint into ``Qwen3_5ForCausalLM``), which renames the model's own
+      ``model.language_model.*`` keys to ``model.*`` names it does not have
+      (5.5.2 narrows the pattern; the ZeRO-3 load still loses them, measured).
+      5.6.0 scopes each submodel's transforms to its prefix.
+
+    The path without ZeRO-3 (``core_model_loading``) loads both checkpoints fully.
 
 Affected versions
-    transformers ``==5.0.0`` (read from the released wheels: 5.0.0 has the
-    loop above; 5.1.0 copies the keys that need no conversion straight into
-    the result while collecting, read only: the legacy Mixtral fails earlier
-    there; 5.2.0,
-    5.3.0, 5.4.0, 5.5.0 and 5.23.0 load the tiny Mixtral under ZeRO-3 bit for
-    bit as without it, measured; 4.x has no conversion mapping).  5.1.0 fails
-    loudly on the legacy Mixtral checkpoint instead (``RuntimeError: Failed to
-    apply weight conversion for 'model.layers.0.mlp.experts.gate_up_proj' ...
-    not enough values to unpack``), not handled here.  Every DeepSpeed.  The
-    source fingerprint is 5.0.0's ``conversion_mapping.setdefault(renamed_key,
-    WeightRenaming(original_key, renamed_key))`` (the groups never realised).
-    Not this patch: the VLM ``language_model.*`` prefix reports (Qwen3.5 on
-    5.4.0, huggingface/transformers#45313): a tiny LLaVA saved with the legacy
+    transformers 5.0.0 and ``>=5.4.0,<5.6.0``, every DeepSpeed.  The MoE form:
+    ``==5.0.0`` (read from the released wheels: 5.1.0 copies the keys that need
+    no conversion straight into the result while collecting, read only: the
+    legacy Mixtral fails earlier there; 5.2.0, 5.3.0, 5.4.0, 5.5.0 and 5.23.0
+    load the tiny Mixtral under ZeRO-3 bit for bit as without it, measured; 4.x
+    has no conversion mapping).  5.1.0 fails loudly on the legacy Mixtral
+    checkpoint instead (``RuntimeError: Failed to apply weight conversion for
+    'model.layers.0.mlp.experts.gate_up_proj' ... not enough values to
+    unpack``), not handled here.  The Qwen3.5 form: 5.4.0 to 5.5.4 (measured
+    on 5.4.0, 5.5.0, 5.5.2, 5.5.4; 5.2.0 and 5.3.0 have Qwen3.5 and the
+    renaming but do not collect a submodel's renamings: loaded bit for bit,
+    measured; 5.6.0 and 5.23.0 too).  The same renaming is registered for
+    ``gemma3n_text`` (read only: Gemma3n not measured).  No source fingerprint: the two forms live in two
+    modules.  Not this patch: a tiny LLaVA saved with the legacy
     ``language_model.model.*`` / ``language_model.lm_head`` keys loads its
     language model under ZeRO-3 bit for bit as without it on 5.0.0, 5.4.0 and
-    5.23.0 (measured; Qwen3.5 itself not reproduced).
+    5.23.0 (measured).
 
 Flag
     ``ZEROSHIM_ZERO3_CONVERSION_DROPPED_KEYS=auto|on|off`` (default ``auto``).
 
 Fix
-    ``_apply_weight_conversions_to_state_dict`` is wrapped: where the mapping
-    has a ``WeightConverter``, the keys given to it are remembered (a shallow
-    dict: no tensor is copied) and, after it returns, each key that
-    ``rename_source_key`` (transformers' own renaming, with the same arguments
-    the function uses) maps to no converter and to a parameter or buffer of the
-    model that the result lacks is put back under its renamed key -- what the
-    function meant to do and what 5.1.0 does.  Converted keys are never
-    touched.  One WARNING on global rank 0 the first time a key is put back.
-    Where nothing was dropped (no converter, or a fixed release) the result
-    is returned unchanged.
+    ``_apply_weight_conversions_to_state_dict`` is wrapped; the keys given to it
+    are remembered (a shallow dict: no tensor is copied) and, after it returns:
+
+    * where the mapping has a ``WeightConverter``, each key that
+      ``rename_source_key`` (transformers' own renaming, with the same arguments
+      the function uses) maps to no converter and to a parameter or buffer of
+      the model that the result lacks is put back under its renamed key --
+      what 5.0.0 meant to do and what 5.1.0 does;
+    * each key that is itself the name of a parameter or buffer of the model and
+      that the result lacks is put back under that name -- what the load
+      without ZeRO-3 does (5.4.0's ``convert_and_load_state_dict_in_model``:
+      "Key should probably not have been renamed", where the renamed key is not
+      in the model and the original is; it also adds or strips the base-model
+      prefix there, which this does not).
+
+    Converted keys are never touched, nor is a parameter the result already
+    has.  One WARNING on global rank 0 the first time a key is put back.
+    Where nothing was dropped (a fixed release, a checkpoint without the
+    parameter) the result is returned unchanged.
 
 Undo
     ``zeroshim.unpatch("zero3_conversion_dropped_keys")`` restores the function.
@@ -68,11 +103,11 @@ from __future__ import annotations
 from zeroshim import _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr, require_params
-from zeroshim._source import Fingerprint
 
 NAME = "zero3_conversion_dropped_keys"
-#: calls: conversions with a WeightConverter seen; restored: keys put back
-stats = {"calls": 0, "restored": 0}
+#: calls: conversions with a WeightConverter seen; restored: plain keys put back under their renamed name (5.0.0);
+#: kept: keys put back under their own name, a model parameter the conversion renamed away (5.4.0 to 5.5.4)
+stats = {"calls": 0, "restored": 0, "kept": 0}
 
 
 def _bind(model, state_dict, weight_mapping, *rest, **kwargs):
@@ -96,25 +131,42 @@ def _restore(model, before: dict, weight_mapping, result: dict) -> int:
     return restored
 
 
+def _keep_own_names(model, before: dict, result: dict) -> int:
+    """Put back each checkpoint key that is itself a parameter or buffer name of the model and that the
+    conversion left unfilled: a renaming meant for another checkpoint layout (5.4.0 to 5.5.4: the
+    ``qwen3_5_text`` / ``gemma3n_text`` ``^model.language_model -> model`` renaming, collected from the text
+    submodule of the vision-language model and applied to its own keys) moved it to a name the model lacks."""
+    own = set(model.state_dict().keys())
+    kept = 0
+    for key, tensor in before.items():
+        if key in own and key not in result:
+            result[key] = tensor
+            kept += 1
+    return kept
+
+
 def _apply_conversions(wrapped, instance, args, kwargs):
     """Wraps ``transformers.integrations.deepspeed._apply_weight_conversions_to_state_dict``."""
     before = None
     with guard(NAME):
         model, state_dict, weight_mapping = _bind(*args, **kwargs)
-        if is_active(NAME) and weight_mapping and isinstance(state_dict, dict) and any(
-                type(entry).__name__ == "WeightConverter" for entry in weight_mapping):
-            before = dict(state_dict)  # the function pops every key out of state_dict
+        if is_active(NAME) and weight_mapping and isinstance(state_dict, dict):
+            before = dict(state_dict)  # 5.0.0 pops every key out of state_dict; no tensor is copied
     result = wrapped(*args, **kwargs)
     if before is not None:
         with guard(NAME):
             if isinstance(result, dict):
-                stats["calls"] += 1
-                restored = _restore(model, before, weight_mapping, result)
-                if restored:
-                    stats["restored"] += restored
+                restored = kept = 0
+                if any(type(entry).__name__ == "WeightConverter" for entry in weight_mapping):
+                    stats["calls"] += 1
+                    restored = _restore(model, before, weight_mapping, result)
+                kept = _keep_own_names(model, before, result)
+                stats["restored"] += restored
+                stats["kept"] += kept
+                if restored or kept:
                     _log.warning("zeroshim[%s]: transformers' ZeRO-3 weight conversion dropped %d checkpoint keys "
-                                 "that needed no conversion (they would load as MISSING and be re-initialised); "
-                                 "zeroshim put them back; %s=off turns this off", NAME, restored,
+                                 "(they would load as MISSING and be re-initialised); zeroshim put them back; "
+                                 "%s=off turns this off", NAME, restored + kept,
                                  f"ZEROSHIM_{NAME.upper()}", scope=_log.RANK0, once=(NAME, "acted"))
     return result
 
@@ -127,21 +179,21 @@ def patch_integrations_deepspeed(module, patcher: Patcher) -> None:
 
 
 def _reset() -> None:
-    stats.update(calls=0, restored=0)
+    stats.update(calls=0, restored=0, kept=0)
     _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(
     name=NAME,
-    summary="ZeRO-3 from_pretrained of an MoE model with converted (fused) weights drops every key that needed no "
-            "conversion: they load as MISSING and are re-initialised",
+    summary="ZeRO-3 from_pretrained drops checkpoint keys while converting them (5.0.0: every key of an MoE model "
+            "that needed no conversion; 5.4.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "
+            "models): they load as MISSING and are re-initialised",
     signatures=(),  # silent apart from transformers' generic LOAD REPORT
-    versions="transformers 5.0.0 (5.1.0 keeps the plain keys; 4.x has no weight conversion), every DeepSpeed",
-    affects={"transformers": "==5.0.0"},
-    fingerprint=Fingerprint("transformers.integrations.deepspeed",
-                            r"conversion_mapping\.setdefault\(renamed_key, WeightRenaming\(original_key, renamed_key\)\)",
-                            "the ZeRO-3 conversion collecting plain keys as WeightRenaming groups it never realises",
-                            bug_when="present"),
+    versions="transformers 5.0.0 (MoE plain keys) and 5.4.0 to 5.5.4 (Qwen3.5 / Gemma3n language_model.*); "
+             "5.1.0 to 5.3.0 and >=5.6.0 keep them; 4.x has no weight conversion; every DeepSpeed",
+    affects={"transformers": ">=5.0.0,<5.6.0,!=5.1.*,!=5.2.*,!=5.3.*"},
+    # no source fingerprint: the two forms live in two modules (5.0.0's loop in integrations/deepspeed.py, the
+    # unscoped renaming in conversion_mapping.py), and one fingerprint decides over the version range
     targets={"transformers.integrations.deepspeed": patch_integrations_deepspeed},
     on_undo=_reset,
 )
