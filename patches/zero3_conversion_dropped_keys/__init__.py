@@ -12,9 +12,10 @@ Symptom
       huggingface/transformers#43940).  huggingface/transformers#43257 is the
       reverse (only the fused expert tensors MISSING, Qwen3-MoE on 5.0.0.dev0,
       fixed by #43524): not seen on the released 5.0.0 with the tiny Mixtral,
-      whose fused expert tensors load right; Qwen3-MoE itself not measured.  Measured (2 ranks, gloo, tiny Mixtral saved
-      with the legacy ``block_sparse_moe.experts.N.w1/w2/w3`` keys, DeepSpeed
-      0.19.8): 17 of 21 parameters differ from the same checkpoint loaded
+      whose fused expert tensors load right; Qwen3-MoE itself not measured.
+      Measured (2 ranks, gloo, tiny Mixtral saved with the legacy
+      ``block_sparse_moe.experts.N.w1/w2/w3`` keys, DeepSpeed 0.19.8): 17 of
+      21 parameters differ from the same checkpoint loaded
       without ZeRO-3 (embeddings, attention, router, norms, ``lm_head``); the 4
       fused expert tensors are right.  A checkpoint already saved in 5.x's fused
       format loses all 21 of 21, as deepspeedai/DeepSpeed#7848 reports for
@@ -64,8 +65,8 @@ Affected versions
     on 5.4.0, 5.5.0, 5.5.2, 5.5.4; 5.2.0 and 5.3.0 have Qwen3.5 and the
     renaming but do not collect a submodel's renamings: loaded bit for bit,
     measured; 5.6.0 and 5.23.0 too).  The same renaming is registered for
-    ``gemma3n_text`` (read only: Gemma3n not measured).  No source fingerprint: the two forms live in two
-    modules.  Not this patch: a tiny LLaVA saved with the legacy
+    ``gemma3n_text`` (read only: Gemma3n not measured).  No source
+    fingerprint: the two forms live in two modules.  Not this patch: a tiny LLaVA saved with the legacy
     ``language_model.model.*`` / ``language_model.lm_head`` keys loads its
     language model under ZeRO-3 bit for bit as without it on 5.0.0, 5.4.0 and
     5.23.0 (measured).
