@@ -115,14 +115,13 @@ def _bind(model, state_dict, weight_mapping, *rest, **kwargs):
     return model, state_dict, weight_mapping
 
 
-def _restore(model, before: dict, weight_mapping, result: dict) -> int:
+def _restore(model, own: dict, before: dict, weight_mapping, result: dict) -> int:
     import torch
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     renamings = [entry for entry in weight_mapping if isinstance(entry, WeightRenaming)]
     converters = [entry for entry in weight_mapping if isinstance(entry, WeightConverter)]
-    meta = {key: torch.empty(value.shape, dtype=value.dtype, device="meta")
-            for key, value in model.state_dict().items()}
+    meta = {key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in own.items()}
     restored = 0
     for key, tensor in before.items():
         renamed, source_pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
@@ -132,12 +131,11 @@ def _restore(model, before: dict, weight_mapping, result: dict) -> int:
     return restored
 
 
-def _keep_own_names(model, before: dict, result: dict) -> int:
+def _keep_own_names(own: dict, before: dict, result: dict) -> int:
     """Put back each checkpoint key that is itself a parameter or buffer name of the model and that the
     conversion left unfilled: a renaming meant for another checkpoint layout (5.4.0 to 5.5.4: the
     ``qwen3_5_text`` / ``gemma3n_text`` ``^model.language_model -> model`` renaming, collected from the text
     submodule of the vision-language model and applied to its own keys) moved it to a name the model lacks."""
-    own = set(model.state_dict().keys())
     kept = 0
     for key, tensor in before.items():
         if key in own and key not in result:
@@ -157,11 +155,12 @@ def _apply_conversions(wrapped, instance, args, kwargs):
     if before is not None:
         with guard(NAME):
             if isinstance(result, dict):
-                restored = kept = 0
+                restored = 0
+                own = model.state_dict()  # the model's parameter and buffer names, read once for both
                 if any(type(entry).__name__ == "WeightConverter" for entry in weight_mapping):
                     stats["calls"] += 1
-                    restored = _restore(model, before, weight_mapping, result)
-                kept = _keep_own_names(model, before, result)
+                    restored = _restore(model, own, before, weight_mapping, result)
+                kept = _keep_own_names(own, before, result)
                 stats["restored"] += restored
                 stats["kept"] += kept
                 if restored or kept:
