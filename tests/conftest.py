@@ -28,6 +28,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "once" in item.keywords and env != ONCE_ENV:
                 item.add_marker(once)
+            elif "deepspeed" in item.keywords and getattr(item.module, "ENVS", None) and env not in item.module.ENVS:
+                # a module that names the releases its launches prove (ENVS, with ENVS_REASON): the others skip them
+                item.add_marker(pytest.mark.skip(reason=f"runs in {', '.join(item.module.ENVS)}: "
+                                                        f"{item.module.ENVS_REASON}"))
             elif "deepspeed" in item.keywords and _one_rank_variant(item):
                 # a test module whose patch is not affected in ONCE_ENV also names where its 1-rank runs
                 # prove it (ONE_RANK_ENVS); the 1-rank variants run in ONCE_ENV in any case

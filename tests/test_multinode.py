@@ -26,6 +26,10 @@ import pytest
 from harness import clean_env, free_port
 from zeroshim import _cli, _flags
 
+# The runner's launches run in the oldest and the newest release of the matrix (CI time, issue #28): the
+# environment forwarding they exercise (`.deepspeed_env`, the exported prefixes) is the same code in between.
+ENVS = ("ds0.14.1", "ds0.19.8")
+ENVS_REASON = "the oldest and the newest release bracket the runner's forwarding code"
 BIN = Path(sys.executable).parent
 FLAGS = {"ZEROSHIM_PATCHES": "torch_elastic_compat,nonreentrant_checkpoint,zero3_dummy_loss",
          "ZEROSHIM_ZERO3_DUMMY_LOSS": "off"}
