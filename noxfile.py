@@ -10,6 +10,9 @@
                             the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
                             zeroshim in every rank (not in CI: about an hour per release)
+    nox -s differential     training configurations drawn from the axes users combine, without and
+                            with zeroshim: none may differ (ZS_DIFF_SAMPLE=N; CI runs a small sample
+                            inside tests(env='ds0.19.2'))
     nox -s packaging        build the sdist and wheel, check the wheel's files, install it beside
                             old pins (DeepSpeed 0.12.3, transformers 4.34.0): nothing may move
 
@@ -178,6 +181,23 @@ def deepspeed_suite(session, release):
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "tests/dsunit/run.py", "--release", release,
                 "--out", os.path.join(session.virtualenv.location, "results"), *session.posargs, env=_env(session))
+
+
+# The differential matrix (tests/differential/run.py, issue #28): configurations drawn from the axes users
+# combine, each trained without and with zeroshim and classified (same / fixed / failed both ways / differ).
+# 0.19.2: inside the ranges of the most invasive patches.  CI runs a small sample inside
+# tests(env='ds0.19.2') (tests/test_differential.py); the larger sample runs before a release:
+#   ZS_DIFF_SAMPLE=40 nox -s differential -- --table differential.md
+DIFFERENTIAL_ENV = "ds0.19.2"
+
+
+@nox.session
+def differential(session):
+    """Training configurations without and with zeroshim, classified; fails if any differs
+    (ZS_DIFF_SAMPLE configurations, default 6, after the known-bug anchors; posargs go to run.py)."""
+    _install(session, DIFFERENTIAL_ENV)
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("python", "tests/differential/run.py", *session.posargs, env=_env(session))
 
 
 # `nox -s packaging`: the pins a user may hold that zeroshim must install beside without moving

@@ -1,0 +1,277 @@
+"""The differential matrix (issue #28 item 1): does zeroshim ever make training worse?
+
+Training configurations are drawn from the axes users combine (``AXES``); each runs on
+CPU ranks under torchrun without zeroshim and with it (``import zeroshim`` as the
+script's first line, nothing else changed) and is classified:
+
+* **same**: trained both ways, every rank's losses and parameter digest identical bit for
+  bit (CPU, gloo, ``OMP_NUM_THREADS=1``);
+* **fixed**: failed without zeroshim (error or hang) and trained with it; where the
+  configuration checkpoints activations, also compared with the same configuration
+  without checkpointing, run without zeroshim (the reference): ``fixed`` only if equal;
+* **failed both ways**: each such row is a candidate patch (its two errors are listed);
+* **differ**: trained both ways to different numbers, trained without and failed with,
+  or fixed to numbers other than the reference's.  Must be 0.
+* **not runnable here**: failed both ways because this machine cannot run the
+  configuration at all (fp16 on a CPU without fp16 kernels); not a candidate patch.
+
+A further column says where training "succeeded" without moving any trainable parameter
+(silent both ways, e.g. reentrant checkpointing of LoRA layers whose input needs no grad).
+
+Sampling is seeded and reproducible: the configurations are ordered greedily so that
+the first N cover as many pairs of axis values as possible (then at random).
+
+    python tests/differential/run.py [--sample N] [--seed S] [--max-ranks R] [--out DIR] [--table FILE]
+
+``ZS_DIFF_SAMPLE`` / ``ZS_DIFF_SEED`` / ``ZS_DIFF_MAX_RANKS`` set the defaults.  Exit status 1
+if any configuration differs.  The last line is the summary::
+
+    differential: N configurations, T trained both ways, F fixed, B failed both ways, D differ
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+AXES = {
+    "stage": [0, 1, 2, 3],
+    "offload": ["none", "optimizer", "optimizer+param"],
+    "ga": [1, 2, 3, 4],
+    "clip": [0.0, 0.05],  # 0.05: below this model's gradient norms, so clipping fires
+    "dtype": ["fp32", "bf16", "fp16"],
+    "ckpt": ["none", "reentrant", "nonreentrant", "omitted"],
+    "input_grad": ["natural", "forced"],  # forced: the embedding output made to require grad
+    "training": ["full", "lora", "frozen_part"],
+    "persistence": ["default", "0"],  # stage3_param_persistence_threshold (ZeRO-3 only)
+    "twice": [False, True],  # one block run twice per step
+    "ranks": [1, 2, 4],
+}
+#: configurations that always run first: the shapes of known bugs, so that even a small sample goes
+#: through the "fixed" path (a block with trainable parameters run twice per step under reentrant
+#: checkpointing at ZeRO-2: "has already been reduced" without zeroshim on every release)
+ANCHORS = [
+    {"stage": 2, "offload": "none", "ga": 1, "clip": 0.0, "dtype": "fp32", "ckpt": "reentrant",
+     "input_grad": "natural", "training": "full", "persistence": "default", "twice": True, "ranks": 2},
+]
+NOT_RUNNABLE = ("is not supported", "not supported on", "fp16 is not supported")
+TIMEOUT = 150  # per rank, in the worker (a hang is recorded, the launch ends)
+
+
+def valid(cfg: dict) -> bool:
+    if cfg["offload"] != "none" and cfg["stage"] == 0:
+        return False
+    if cfg["offload"] == "optimizer+param" and cfg["stage"] != 3:
+        return False
+    if cfg["stage"] != 3 and cfg["persistence"] != "default":
+        return False
+    if cfg["ckpt"] == "none" and cfg["input_grad"] != "natural":
+        return False
+    return True
+
+
+def fp16_runnable() -> bool:
+    """DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (this machine)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
+def space(max_ranks: int, fp16: bool = True) -> list:
+    keys = list(AXES)
+    axes = dict(AXES, dtype=[d for d in AXES["dtype"] if fp16 or d != "fp16"])
+    out = []
+    for values in itertools.product(*axes.values()):
+        cfg = dict(zip(keys, values))
+        if cfg["ranks"] <= max_ranks and valid(cfg):
+            out.append(cfg)
+    return out
+
+
+def pairs(cfg: dict) -> set:
+    items = sorted((k, json.dumps(v)) for k, v in cfg.items())
+    return set(itertools.combinations(items, 2))
+
+
+def sample(n: int, seed: int, max_ranks: int, fp16: bool = True) -> list:
+    """The first ``n`` configurations of a seeded greedy pairwise ordering."""
+    rng = random.Random(seed)
+    pool = space(max_ranks, fp16)
+    rng.shuffle(pool)
+    chosen, covered = [], set()
+    while len(chosen) < min(n, len(pool)):
+        candidates = pool[: 400]
+        best = max(candidates, key=lambda c: len(pairs(c) - covered))
+        pool.remove(best)
+        chosen.append(best)
+        covered |= pairs(best)
+        rng.shuffle(pool)
+    return chosen
+
+
+def name_of(cfg: dict) -> str:
+    return (f"z{cfg['stage']} off={cfg['offload']} ga{cfg['ga']} clip={cfg['clip']:g} {cfg['dtype']} "
+            f"ckpt={cfg['ckpt']}{'/' + cfg['input_grad'] if cfg['ckpt'] != 'none' else ''} {cfg['training']}"
+            f"{' pt=' + cfg['persistence'] if cfg['stage'] == 3 else ''}{' twice' if cfg['twice'] else ''} "
+            f"{cfg['ranks']}r")
+
+
+def launch(cfg: dict, mode: str, out: Path) -> dict:
+    """One torchrun launch; ``{"ok", "error", "ranks", "seconds"}``."""
+    from zeroshim import _launch
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = _launch.clean_env("cpu", PYTHONWARNINGS="ignore")
+    env["LOCAL_SIZE"] = str(cfg["ranks"])
+    start = time.time()
+    with _launch.master_port() as port:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg["ranks"]),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), str(HERE / "train.py"),
+               "--out", str(out), "--mode", mode, "--config", json.dumps(cfg), "--timeout", str(TIMEOUT)]
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=TIMEOUT + 120)
+            log = proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            log = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    (out / "log.txt").write_text(log)
+    ranks = []
+    for r in range(cfg["ranks"]):
+        path = out / f"rank{r}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    errors = [r.get("error") for r in ranks if r and not r.get("ok")]
+    ok = all(r and r.get("ok") for r in ranks)
+    error = None
+    if not ok:  # the first real error beats another rank's hang
+        real = [e for e in errors if e and e != "hang"]
+        error = real[0] if real else ("hang" if errors else f"no results (log: {out / 'log.txt'})")
+    return {"ok": ok, "error": error, "ranks": ranks, "seconds": time.time() - start}
+
+
+def numbers(result: dict) -> list:
+    return [(r["losses"], r["param_sha256"]) for r in result["ranks"]]
+
+
+def first_line(error: str | None) -> str:
+    """The error's type and message, one line; with its innermost frame where the message is empty."""
+    if not error:
+        return ""
+    message, _, where = error.partition(" @ ")
+    message = " ".join(message.split())
+    if message.endswith(":") and where:
+        message += " " + " ".join(where.split(" | ")[-1].split())
+    return message[:160]
+
+
+def classify(cfg: dict, work: Path) -> dict:
+    without = launch(cfg, "without", work / "without")
+    with_ = launch(cfg, "with", work / "with")
+    row = {"config": cfg, "name": name_of(cfg), "without": first_line(without["error"]) or "trained",
+           "with": first_line(with_["error"]) or "trained", "seconds": without["seconds"] + with_["seconds"],
+           "counters": sorted({f"{p}.{k}" for r in with_["ranks"] if r for p, c in r.get("counters", {}).items()
+                               for k in c}), "note": ""}
+    if without["ok"] and with_["ok"]:
+        same = numbers(without) == numbers(with_)
+        row["class"] = "same" if same else "differ"
+        if not same:
+            row["note"] = "losses/digests differ: " + json.dumps([r["losses"] for r in without["ranks"]])[:200] + \
+                          " vs " + json.dumps([r["losses"] for r in with_["ranks"]])[:200]
+        if not any(r["updated"] for r in without["ranks"]):
+            row["note"] += " no trainable parameter moved (both ways)" if not any(
+                r["updated"] for r in with_["ranks"]) else " no trainable parameter moved without zeroshim"
+    elif with_["ok"]:
+        row["class"] = "fixed"
+        if cfg["ckpt"] != "none":
+            ref = launch(dict(cfg, ckpt="none", input_grad="natural"), "without", work / "reference")
+            row["seconds"] += ref["seconds"]
+            if not ref["ok"]:
+                row["note"] = f"reference (no checkpointing) failed: {first_line(ref['error'])}"
+            elif numbers(ref) != numbers(with_):
+                row["class"], row["note"] = "differ", "fixed, but not to the reference without checkpointing"
+            else:
+                row["note"] = "equal to the reference without checkpointing"
+        else:
+            row["note"] = "no reference for this configuration"
+    elif without["ok"]:
+        row["class"], row["note"] = "differ", "trained without zeroshim, failed with it"
+    elif any(s in (without["error"] or "") for s in NOT_RUNNABLE) and \
+            any(s in (with_["error"] or "") for s in NOT_RUNNABLE):
+        row["class"] = "not runnable here"
+    else:
+        row["class"] = "failed both ways"
+    return row
+
+
+def summary(rows: list) -> str:
+    count = lambda c: sum(1 for r in rows if r["class"] == c)  # noqa: E731
+    line = (f"differential: {len(rows)} configurations, {count('same')} trained both ways, {count('fixed')} fixed, "
+            f"{count('failed both ways')} failed both ways, {count('differ')} differ")
+    if count("not runnable here"):
+        line += f" ({count('not runnable here')} not runnable here)"
+    return line
+
+
+def table(rows: list, versions: dict) -> str:
+    lines = ["differential matrix: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
+             "| configuration | without zeroshim | with zeroshim | class | zeroshim's non-zero counters | note | s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['without']} | {r['with']} | {r['class']} | {', '.join(r['counters'])} | "
+                     f"{r['note'].strip()} | {r['seconds']:.0f} |")
+    return "\n".join(lines + ["", summary(rows)])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sample", type=int, default=int(os.environ.get("ZS_DIFF_SAMPLE", "6")))
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("ZS_DIFF_SEED", "0")))
+    parser.add_argument("--max-ranks", type=int, default=int(os.environ.get("ZS_DIFF_MAX_RANKS", "4")))
+    parser.add_argument("--out", default=None, help="keep every launch's results and log here")
+    parser.add_argument("--table", default=None, help="also write the markdown table here")
+    parser.add_argument("--only", type=int, nargs="*", help="run only these indices (anchors first)")
+    parser.add_argument("--no-anchors", action="store_true", help="leave out the known-bug configurations (ANCHORS)")
+    args = parser.parse_args(argv)
+    from importlib.metadata import version
+
+    versions = {p: version(p) for p in ("torch", "deepspeed", "peft")}
+    work = Path(args.out or tempfile.mkdtemp(prefix="zeroshim-differential-"))
+    fp16 = fp16_runnable()
+    if not fp16:
+        print("fp16 left out: this CPU has no fp16 kernels (DeepSpeed's CPU accelerator refuses it); "
+              "run the matrix on a machine with them for the fp16 rows", flush=True)
+    chosen = ([] if args.no_anchors else ANCHORS) + sample(args.sample, args.seed, args.max_ranks, fp16)
+    print(f"{len(chosen) - len(ANCHORS) * (not args.no_anchors)} of {len(space(args.max_ranks, fp16))} "
+          f"configurations (seed {args.seed}), after {0 if args.no_anchors else len(ANCHORS)} anchor(s); runs in {work}",
+          flush=True)
+    rows = []
+    for i, cfg in enumerate(chosen):
+        if args.only and i not in args.only:
+            continue
+        row = classify(cfg, work / f"{i:03d}")
+        rows.append(row)
+        print(f"[{i}] {row['name']}: {row['class']} ({row['seconds']:.0f} s) {row['note'].strip()}"
+              + (f" | without: {row['without']} | with: {row['with']}" if row["class"] != "same" else ""),
+              flush=True)
+    text = table(rows, versions)
+    (work / "results.json").write_text(json.dumps(rows, indent=1))
+    if args.table:
+        Path(args.table).write_text(text + "\n")
+    print(text)
+    return 1 if any(r["class"] == "differ" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

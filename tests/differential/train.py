@@ -1,0 +1,189 @@
+"""One configuration of the differential matrix on one rank (run under torchrun by
+tests/differential/run.py): a tiny token model built from the configuration's axes,
+trained for a few optimizer steps with raw ``deepspeed.initialize``, without or with
+zeroshim (``--mode``).  Writes ``<out>/rank<R>.json``: the losses of every micro-step,
+a digest of the parameters as this rank holds them, whether the trainable parameters
+moved, and the error if training raised.  A watchdog records ``hang`` and ends the
+process when a collective never returns (ranks that disagree)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+
+STEPS = 3  # optimizer steps
+VOCAB, WIDTH, SEQ, MICRO_BATCH = 64, 32, 8, 2
+
+
+def parse():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=["without", "with"], required=True)
+    parser.add_argument("--config", required=True, help="the configuration, as JSON")
+    parser.add_argument("--timeout", type=float, default=150)
+    return parser.parse_args()
+
+
+def main():
+    args = parse()
+    cfg = json.loads(args.config)
+    if args.mode == "with":
+        import zeroshim  # noqa: F401  (the user's first line)
+    from common import describe, import_deepspeed, init_distributed, param_digest, write_results
+
+    results = {"mode": args.mode, "config": cfg}
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(args.timeout):
+            results.setdefault("error", "hang")
+            results["ok"] = False
+            write_results(args.out, results)
+            os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    deepspeed = import_deepspeed()
+    rank, world = init_distributed()
+    try:
+        results.update(train(deepspeed, cfg, rank), ok=True)
+    except Exception as exc:  # a failing configuration is a result
+        results.update(ok=False, error=describe(exc))
+        done.set()
+        write_results(args.out, results)
+        sys.stdout.flush()
+        # another rank may be blocked in a collective this one never joins: no barrier, no teardown
+        time.sleep(2)
+        os._exit(1)
+    done.set()
+    if "zeroshim" in sys.modules:
+        z = sys.modules["zeroshim"]
+        # every patch's non-zero counters (what it did, or looked at and left alone)
+        results["counters"] = {name: {k: v for k, v in z.stats(name).items() if isinstance(v, (int, float)) and v}
+                               for name in z.status()}
+        results["counters"] = {k: v for k, v in results["counters"].items() if v}
+    write_results(args.out, results)
+    from common import finish
+
+    finish()
+
+
+def build(cfg):
+    import torch
+    import torch.nn as nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(WIDTH)
+            self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+            self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+
+        def forward(self, h):
+            return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, WIDTH)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(WIDTH, VOCAB)
+
+        def run_block(self, block, h):
+            mode = cfg["ckpt"]
+            if mode == "none" or not self.training:
+                return block(h)
+            if mode == "omitted":  # torch warns and takes the reentrant variant
+                return checkpoint(block, h)
+            return checkpoint(block, h, use_reentrant=(mode == "reentrant"))
+
+        def forward(self, ids, labels):
+            h = self.emb(ids)
+            if cfg["input_grad"] == "forced" and not h.requires_grad:  # as enable_input_require_grads
+                h.requires_grad_(True)
+            for block in self.blocks:
+                h = self.run_block(block, h)
+            if cfg["twice"]:  # the same module twice in one step (shared layer)
+                h = self.run_block(self.blocks[0], h)
+            logits = self.head(h).float()
+            return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+
+    torch.manual_seed(0)
+    net = Net()
+    if cfg["training"] == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        for p in net.parameters():
+            p.requires_grad_(False)
+        net = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2"], lora_dropout=0.0,
+                                             init_lora_weights="gaussian"))
+    elif cfg["training"] == "frozen_part":
+        for p in list(net.emb.parameters()) + list(net.blocks[0].parameters()):
+            p.requires_grad_(False)
+    return net
+
+
+def ds_config(cfg, world):
+    zero = {"stage": cfg["stage"]}
+    if cfg["offload"] in ("optimizer", "optimizer+param"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if cfg["offload"] == "optimizer+param":
+        zero["offload_param"] = {"device": "cpu"}
+    if cfg["stage"] == 3 and cfg["persistence"] == "0":
+        zero["stage3_param_persistence_threshold"] = 0
+    out = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": cfg["ga"],
+           "train_batch_size": MICRO_BATCH * cfg["ga"] * world, "zero_optimization": zero,
+           "gradient_clipping": cfg["clip"], "zero_allow_untested_optimizer": True,
+           "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if cfg["dtype"] == "bf16":
+        out["bf16"] = {"enabled": True}
+    elif cfg["dtype"] == "fp16":  # dynamic loss scaling from 2**16: the first steps overflow and are skipped
+        out["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return out
+
+
+def trainable_digest(net, rank):
+    digest = hashlib.sha256()
+    for _, p in sorted(net.named_parameters()):
+        if not p.requires_grad:
+            continue
+        t = getattr(p, "ds_tensor", None)
+        t = (t if t is not None else p).detach().float().cpu().contiguous()
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def train(deepspeed, cfg, rank):
+    import torch
+    import torch.distributed as dist
+    from common import param_digest
+
+    world = dist.get_world_size()
+    net = build(cfg)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config(cfg, world))
+    before = trainable_digest(engine.module, rank)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(STEPS * cfg["ga"]):
+        ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=gen)
+        labels = (ids * 3 + 1) % VOCAB
+        loss = engine(ids, labels)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {"losses": losses, "updated": trainable_digest(engine.module, rank) != before,
+           **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
+    skipped = getattr(engine, "skipped_steps", None)
+    if skipped is not None:
+        out["skipped_steps"] = int(skipped)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The differential matrix (tests/differential/run.py, issue #28 item 1): a small seeded
+sample in CI, after the known-bug anchor; the larger sample is `nox -s differential`.
+
+The classifier is also checked on made-up launch results, so that a difference in the
+numbers, or a configuration that trains without zeroshim and fails with it, is caught."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "differential"))
+import run as differential  # noqa: E402
+
+# Where the sample runs: 0.19.2 is inside the ranges of the most invasive patches (the same as
+# `nox -s differential`); the other releases' patch tests cover them.
+ENVS = ("ds0.19.2",)
+ENVS_REASON = "the differential sample runs in the release inside the most invasive patches' ranges"
+SAMPLE = 2  # random configurations after the anchor (about 2.5 minutes in all on 2 cores)
+
+
+@pytest.mark.deepspeed
+def test_sample_never_differs(tmp_path, capsys):
+    code = differential.main(["--sample", str(SAMPLE), "--max-ranks", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    print(out)
+    rows = __import__("json").loads((tmp_path / "results.json").read_text())
+    assert code == 0 and not [r for r in rows if r["class"] == "differ"], out
+    anchor = rows[0]
+    # the anchor fails without zeroshim and trains with it to the run without checkpointing
+    assert anchor["class"] == "fixed" and "equal to the reference" in anchor["note"], anchor
+    assert out.strip().splitlines()[-1].startswith(f"differential: {SAMPLE + 1} configurations, ")
+
+
+def _result(losses, sha="a", ok=True, error=None):
+    rank = {"ok": ok, "losses": losses, "param_sha256": sha, "updated": True, "error": error}
+    return {"ok": ok, "error": error, "ranks": [rank], "seconds": 1.0}
+
+
+CFG = dict(differential.ANCHORS[0], ckpt="none", twice=False, ranks=1)
+
+
+@pytest.mark.parametrize("without, with_, expected", [
+    (_result([1.0, 0.5]), _result([1.0, 0.5]), "same"),
+    (_result([1.0, 0.5]), _result([1.0, 0.50001]), "differ"),
+    (_result([1.0, 0.5], sha="a"), _result([1.0, 0.5], sha="b"), "differ"),
+    (_result([1.0]), _result([], ok=False, error="RuntimeError: x"), "differ"),
+    (_result([], ok=False, error="RuntimeError: x"), _result([1.0]), "fixed"),
+    (_result([], ok=False, error="hang"), _result([], ok=False, error="hang"), "failed both ways"),
+    (_result([], ok=False, error="ValueError: Type fp16 is not supported"),
+     _result([], ok=False, error="ValueError: Type fp16 is not supported"), "not runnable here"),
+])
+def test_classifier(monkeypatch, tmp_path, without, with_, expected):
+    monkeypatch.setattr(differential, "launch", lambda cfg, mode, out: {"without": without, "with": with_}[mode])
+    assert differential.classify(CFG, tmp_path)["class"] == expected
+
+
+def test_fixed_to_other_numbers_than_the_reference_differs(monkeypatch, tmp_path):
+    runs = {"without": _result([], ok=False, error="RuntimeError: already reduced"), "with": _result([1.0, 0.4])}
+    monkeypatch.setattr(differential, "launch",
+                        lambda cfg, mode, out: runs[mode] if cfg["ckpt"] != "none" else _result([1.0, 0.5]))
+    row = differential.classify(dict(CFG, ckpt="reentrant"), tmp_path)
+    assert row["class"] == "differ" and "reference" in row["note"]
+
+
+def test_sample_is_seeded_and_covers_pairs():
+    a, b = differential.sample(6, 0, 2, fp16=False), differential.sample(6, 0, 2, fp16=False)
+    assert a == b and len({differential.name_of(c) for c in a}) == 6
+    assert all(differential.valid(c) and c["dtype"] != "fp16" and c["ranks"] <= 2 for c in a)
+    values = {(k, repr(c[k])) for c in a for k in c}
+    assert {("stage", repr(s)) for s in (0, 1, 2, 3)} <= values  # 6 pairwise-greedy draws reach every stage
