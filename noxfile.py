@@ -134,6 +134,10 @@ CLIENTS = {
                      ["llamafactory==0.9.5", "torchaudio==2.11.0", "torchdata==0.11.0"], ["torchaudio/lib"]),
     "swift": (["deepspeed==0.19.2", "ms-swift==4.6.0", "transformers==5.19.0", "peft==0.20.0", "trl==0.29.1",
                "accelerate==1.15.0", "datasets==4.8.4", "modelscope==1.40.2"], [], []),
+    "xtuner": (["deepspeed==0.16.2", "mmengine==0.10.6", "transformers==4.48.0", "peft==0.14.0", "accelerate==1.2.1",
+                "datasets==3.2.0", "einops", "loguru", "scipy", "sentencepiece", "tiktoken",
+                "transformers-stream-generator", "opencv-python-headless", "scikit-image", "openpyxl"],
+               ["xtuner==0.2.0"], []),
 }
 
 
