@@ -6,8 +6,8 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift), plainly and under `zeroshim-run` (CI runs
-                            the accelerate one)
+                            LLaMA-Factory, ms-swift, XTuner), plainly and under `zeroshim-run` (CI
+                            runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
                             zeroshim in every rank (not in CI: about an hour per release)
     nox -s differential     training configurations drawn from the axes users combine, without and
@@ -125,7 +125,11 @@ def canary(session):
 # import (text SFT does not need it), and torchaudio must import, so LLaMA-Factory and torchaudio
 # come without their dependencies, the rest of its requirements are listed here, and torchaudio's
 # native libraries (built against CUDA torch: "libc10_cuda.so: cannot open shared object file") are
-# removed, which torchaudio's loader accepts.
+# removed, which torchaudio's loader accepts.  XTuner 0.2.0 pins mmengine 0.10.6, transformers 4.48.0 and
+# (extra "deepspeed") DeepSpeed 0.16.2, inside zero2_offload_accumulation's range; it comes without its
+# dependencies because it requires bitsandbytes (CUDA, unused by full fine-tuning) and torchvision (the
+# only build for torch 2.13 here is a CUDA one that fails to import; tests/clients/xtuner_stubs/ stands
+# in for it and for mmengine's unconditional torch.cuda.set_device: see tests/clients/xtuner_cases.py).
 CLIENTS = {
     "trl": (["deepspeed==0.19.2", "trl==1.16.0", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0",
              "datasets==5.2.0"], [], []),
@@ -137,6 +141,10 @@ CLIENTS = {
                      ["llamafactory==0.9.5", "torchaudio==2.11.0", "torchdata==0.11.0"], ["torchaudio/lib"]),
     "swift": (["deepspeed==0.19.2", "ms-swift==4.6.0", "transformers==5.19.0", "peft==0.20.0", "trl==0.29.1",
                "accelerate==1.15.0", "datasets==4.8.4", "modelscope==1.40.2"], [], []),
+    "xtuner": (["deepspeed==0.16.2", "mmengine==0.10.6", "transformers==4.48.0", "peft==0.14.0", "accelerate==1.2.1",
+                "datasets==3.2.0", "einops", "loguru", "scipy", "sentencepiece", "tiktoken",
+                "transformers-stream-generator", "opencv-python-headless", "scikit-image", "openpyxl"],
+               ["xtuner==0.2.0"], []),
 }
 
 

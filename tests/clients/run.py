@@ -7,7 +7,7 @@ losses must equal those of the plain run wherever that run trains; where the
 framework's settings hit a bug zeroshim fixes, the plain run must fail with
 that bug's error.
 
-    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift [--work DIR]
+    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner [--work DIR]
 """
 
 from __future__ import annotations
@@ -53,22 +53,30 @@ def torchrun(script: str, *args: str) -> list[str]:
             "--master_port", str(free_port()), str(HERE / script), *args]
 
 
-def launch(cmd: list[str], extra_env: dict, with_zeroshim: bool, log: Path) -> tuple[int, str, float]:
-    """Run the user's command unchanged, or with ``zeroshim-run`` in front of it."""
+def launch(cmd: list[str], extra_env: dict, with_zeroshim: bool, log: Path, monitor=None) -> tuple[int, str, float]:
+    """Run the user's command unchanged, or with ``zeroshim-run`` in front of it (``monitor``: an object
+    with ``start(pid)``, e.g. xtuner_cases.HostMemory, started on the launched process)."""
     if with_zeroshim:  # and its INFO lines on stderr: which patches applied and acted
         cmd = ["zeroshim-run", *cmd]
         extra_env = {**extra_env, "ZEROSHIM_LOG_LEVEL": "INFO"}
     before = set(Path("/dev/shm").glob("deepspeed_*"))
     start = time.time()
-    proc = subprocess.run(cmd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=1800, cwd=log.parent)
+    proc = subprocess.Popen(cmd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=log.parent)
+    if monitor is not None:
+        monitor.start(proc.pid)
+    try:
+        stdout, _ = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate()
     seconds = time.time() - start
-    log.write_text(proc.stdout)
+    log.write_text(stdout)
     # DeepSpeed's CPU comm op leaves a 66 MiB all-reduce buffer per rank and launch (deepspeedai/DeepSpeed#4115):
     # delete this launch's, never another job's.
     for path in set(Path("/dev/shm").glob("deepspeed_*")) - before:
         path.unlink(missing_ok=True)
-    return proc.returncode, proc.stdout, seconds
+    return proc.returncode, stdout, seconds
 
 
 def acted_from_log(log: str) -> dict:
@@ -240,8 +248,17 @@ def swift_cases(paths: dict, work: Path):
                else None, "same_losses_as": reference}
 
 
+def xtuner_cases(paths: dict, work: Path):
+    """``xtuner train CONFIG --deepspeed ...`` (XTuner 0.2.0: mmengine + DeepSpeed 0.16.2): see
+    tests/clients/xtuner_cases.py."""
+    import xtuner_cases as xt
+
+    yield from xt.cases(paths, work)
+
+
 FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
-              "llamafactory": ("llamafactory", lf_cases), "swift": ("ms-swift", swift_cases)}
+              "llamafactory": ("llamafactory", lf_cases), "swift": ("ms-swift", swift_cases),
+              "xtuner": ("xtuner", xtuner_cases)}
 
 
 def run_case(case: dict, work: Path) -> dict:
@@ -250,10 +267,14 @@ def run_case(case: dict, work: Path) -> dict:
         out = work / (re.sub(r"\W+", "_", case["name"]) + "." + arm)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        returncode, log, seconds = launch(case["cmd"](out), case["env"], arm == "zeroshim", out / "log.txt")
-        result = case["read"](out, log) if returncode == 0 else None
+        monitor = case["memory"]() if case.get("memory") else None
+        returncode, log, seconds = launch(case["cmd"](out), case["env"], arm == "zeroshim", out / "log.txt",
+                                          monitor)
+        result = case["read"](out, log) if returncode == 0 or case.get("judge_by_results") else None
         row[arm] = {"returncode": returncode, "seconds": round(seconds, 1), "result": result,
                     "tail": None if result else log[-12000:]}
+        if monitor is not None:
+            row[arm]["memory"] = monitor.stop()
     return row
 
 
@@ -323,7 +344,7 @@ def main() -> int:
     print("| case | without zeroshim | with zeroshim | patches that acted | verdict |\n|---|---|---|---|---|")
     for case in cases(paths, work):
         row = rows[case["name"]] = run_case(case, work)
-        problems = check(case, row, rows)
+        problems = case.get("check", check)(case, row, rows)
         failed |= bool(problems)
 
         def cell(arm):
@@ -331,7 +352,12 @@ def main() -> int:
             if r["result"]:
                 asked = r["result"].get("use_reentrant")
                 asked = "" if asked is None else f", use_reentrant={asked} as passed to the model"
-                return f"trains{asked}, losses {[round(x, 4) for x in r['result']['losses']]} ({r['seconds']} s)"
+                memory = r.get("memory")
+                memory = "" if not memory else \
+                    f", peak PSS (all processes) {memory['peak_tree_pss_mb']} MiB, peak system used " \
+                    f"{memory['peak_system_used_mb']} MiB"
+                return f"trains{asked}, losses {[round(x, 4) for x in r['result']['losses']]}{memory} " \
+                       f"({r['seconds']} s)"
             return f"fails: {first_error(r['tail'])[:120]} ({r['seconds']} s)"
 
         print(f"| {case['name']} | {cell('plain')} | {cell('zeroshim')} | {acted_text(row['zeroshim']['result'])} | "
