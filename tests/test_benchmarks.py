@@ -87,3 +87,12 @@ def test_moe_leaf_memory_smoke():
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 0, 0")]
     assert len(rows) == 1, out
     assert int(rows[0][2].replace(",", "")) > 4 * int(rows[0][1].replace(",", "")), out  # the leaf gathers all experts
+
+
+def test_attribution_smoke():
+    """zeroshim's own time per step in benchmark mode (ZEROSHIM_TIMING=1): the acting workload must
+    show the two patches that act there, and a share below 100 %."""
+    out = run(str(BENCH / "attribution.py"), "--smoke")
+    rows = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| zero")}
+    assert set(rows) == {"| zero2", "| zero3", "| zero3-acting"}, out
+    assert "nonreentrant_checkpoint" in rows["| zero3-acting"] and "zero3_dummy_loss" in rows["| zero3-acting"], out

@@ -7,6 +7,8 @@
                                gate, ``on`` applies even outside the affected
                                range, ``off`` never applies
 ``ZEROSHIM_LOG_LEVEL=INFO``    attach a stderr handler to the ``zeroshim`` logger
+``ZEROSHIM_TIMING=1``          benchmark mode: time zeroshim's own work per patch
+                               (zeroshim/_timing.py); off by default
 =============================  ==================================================
 
 Bad values in the environment never raise (a training job must still start),
@@ -50,7 +52,8 @@ ALLOW_LIST = PREFIX + "PATCHES"
 LOG_LEVEL = PREFIX + "LOG_LEVEL"
 LAUNCHER_MARK = PREFIX + "RUN"      # set by zeroshim-run; not a setting
 CARRIER = "PYTHON_ZEROSHIM_ENV"     # the launch's ZEROSHIM_* flags, for remote nodes (see above)
-GLOBAL_VARIABLES = (KILL_SWITCH, ALLOW_LIST, LOG_LEVEL)
+TIMING = PREFIX + "TIMING"  # benchmark mode, read by zeroshim/_timing.py
+GLOBAL_VARIABLES = (KILL_SWITCH, ALLOW_LIST, LOG_LEVEL, TIMING)
 INTERNAL_VARIABLES = (LAUNCHER_MARK,)
 
 MODES = ("auto", "on", "off")
@@ -214,7 +217,7 @@ def from_environ(patch_names: Iterable[str], environ: Optional[Mapping[str, str]
         elif upper == ALLOW_LIST:
             settings.only = _check_names(_split_names(value), names, key, value)
             settings.only_by = key
-        elif upper in (LOG_LEVEL,) + INTERNAL_VARIABLES:
+        elif upper in (LOG_LEVEL, TIMING) + INTERNAL_VARIABLES:
             continue
         elif upper in by_env:
             name = by_env[upper]

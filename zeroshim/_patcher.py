@@ -115,6 +115,10 @@ class Patcher:
         current = require_attr(owner, attr)
         if is_patched_by(current, self.patch_name):
             return current
+        from . import _timing
+
+        if _timing.ENABLED:  # benchmark mode: zeroshim's own time per patch (zeroshim/_timing.py)
+            wrapper = _timing.timed_wrapper(self.patch_name, wrapper)
         wrapped = wrapt.FunctionWrapper(current, wrapper)
         wrapped._self_zeroshim_patch = self.patch_name  # `_self_` attributes stay on the proxy
         self.set(owner, attr, wrapped)
@@ -130,6 +134,10 @@ class Patcher:
     def set(self, owner: Any, attr: str, value: Any) -> None:
         """``setattr(owner, attr, value)``, recorded for undo."""
         previous = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        from . import _timing
+
+        if _timing.ENABLED and type(value).__name__ == "function" and attr != "__del__":
+            value = _timing.timed_function(self.patch_name, value)  # benchmark mode (zeroshim/_timing.py)
         setattr(owner, attr, value)
         self._changes.append((owner, attr, previous, value))
 

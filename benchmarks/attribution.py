@@ -1,0 +1,154 @@
+"""zeroshim's own time per training step, attributed directly (issue #28 item 3).
+
+On a shared 2-core machine the step-time ratio with/without zeroshim spreads by
+5-10 %, too much to resolve 1 %.  Here zeroshim runs in its benchmark mode
+(``ZEROSHIM_TIMING=1``, zeroshim/_timing.py): every wrapper a patch installs is
+timed and the time inside the function it wraps is subtracted, so what is left is
+zeroshim's own time, per patch.  Reported as a share of the step's wall time, per
+rank (the largest share over the ranks is the row's figure).
+
+    python benchmarks/attribution.py                 # table: 1 and 4 ranks, each workload (a few minutes)
+    python benchmarks/attribution.py --smoke         # seconds; used by the test suite so this cannot rot
+
+Workloads (fp32: this CPU has no bf16 kernels, and emulated bf16 steps would hide zeroshim's
+share; gloo, CPU, an 8-block MLP of width ``--hidden`` on 8 x 64 tokens):
+
+* ``zero2``, ``zero3``: nothing a patch changes (no checkpointing, no dummy
+  term): the wrappers' own cost (engine tracking, ZeRO-3's backward graph walk
+  that finds nothing to cut);
+* ``zero3-acting``: every block under reentrant ``torch.utils.checkpoint``
+  (``nonreentrant_checkpoint`` converts each call) and a zero-weighted term over
+  an unused partitioned layer (``zero3_dummy_loss`` walks and cuts it every step).
+
+Not attributed: hooks patches register on torch objects (see zeroshim/_timing.py).
+The timers' own cost (about a microsecond per wrapped call) is counted as
+zeroshim's, so the shares are upper bounds.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from _launch import master_port
+
+WORKLOADS = ("zero2", "zero3", "zero3-acting")
+
+
+def worker(args):
+    import zeroshim  # ZEROSHIM_TIMING=1 is in the environment
+    from zeroshim import _timing
+
+    assert _timing.ENABLED, "ZEROSHIM_TIMING=1 did not reach the worker"
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.utils.checkpoint import checkpoint
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    acting = args.workload == "zero3-acting"
+    stage = 2 if args.workload == "zero2" else 3
+    h = args.hidden
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+                                        for _ in range(args.layers))
+            self.unused = nn.Linear(h, h)  # reached only by the zero-weighted term
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + (checkpoint(block, x, use_reentrant=True) if acting else block(x))
+            loss = x.pow(2).mean()
+            if acting:
+                loss = loss + 0.0 * self.unused.weight.sum()
+            return loss
+
+    torch.manual_seed(0)
+    net = Net()
+    config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4),
+                                      config=config)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 64, h, generator=gen).requires_grad_(acting)
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            _timing.reset()
+            start = time.perf_counter()
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+    wall = time.perf_counter() - start
+    own = _timing.report()
+    stats = {name: zeroshim.stats(name) for name in ("zero3_dummy_loss", "nonreentrant_checkpoint")}
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:  # (stdout lines of ranks interleave)
+        json.dump({"rank": rank, "step_s": wall / args.steps, "own": own,
+                   "own_s_per_step": sum(v["seconds"] for v in own.values()) / args.steps, "stats": stats}, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(args, workload, nproc):
+    env = dict(os.environ, ZEROSHIM_TIMING="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+               LOCAL_SIZE=str(nproc), PYTHONWARNINGS="ignore")
+    with master_port() as port, tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--workload", workload,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
+               "--layers", str(args.layers), "--out", out]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(nproc)
+                 if os.path.exists(os.path.join(out, f"rank{r}.json"))]
+    if len(ranks) != nproc:
+        raise SystemExit(f"{workload} on {nproc} rank(s) failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                         f"\n{proc.stderr[-3000:]}")
+    shares = [r["own_s_per_step"] / r["step_s"] for r in ranks]
+    worst = max(range(nproc), key=lambda i: shares[i])
+    return {"workload": workload, "ranks": nproc, "step_ms": ranks[worst]["step_s"] * 1000,
+            "own_ms": ranks[worst]["own_s_per_step"] * 1000, "share": shares[worst],
+            "per_patch_ms": {k: v["seconds"] / args.steps * 1000 for k, v in ranks[worst]["own"].items()},
+            "stats": ranks[worst]["stats"]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--workload", choices=WORKLOADS, default="zero3")
+    parser.add_argument("--ranks", default="1,4")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # the worker's results folder
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.steps, args.warmup, args.layers, args.hidden, args.ranks = 2, 1, 2, 32, "1"
+    rows = [measure(args, w, int(n)) for n in args.ranks.split(",") for w in WORKLOADS]
+    print(f"zeroshim's own time per step (ZEROSHIM_TIMING=1; hidden {args.hidden}, {args.layers} blocks, "
+          f"{args.steps} steps after {args.warmup}; the rank with the largest share)")
+    print("| workload | ranks | step ms | zeroshim ms | share | by patch (ms/step) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        by = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["per_patch_ms"].items(), key=lambda kv: -kv[1]) if v)
+        print(f"| {r['workload']} | {r['ranks']} | {r['step_ms']:.1f} | {r['own_ms']:.3f} | {100 * r['share']:.2f} % "
+              f"| {by} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": rows, "args": vars(args)}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Benchmark mode (``ZEROSHIM_TIMING``, zeroshim/_timing.py): a timed wrapper counts its own time
+only, not the wrapped function's nor the user's work it runs another way; off by default."""
+
+import subprocess
+import sys
+
+from harness import clean_env
+
+CODE = r"""
+import time
+from zeroshim import _timing
+from zeroshim._patcher import Patcher
+
+class Target:
+    def work(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+def wrapper(wrapped, instance, args, kwargs):
+    time.sleep(0.05)                          # zeroshim's own time
+    with _timing.original_work():
+        time.sleep(0.1)                       # the user's work, run another way
+    return wrapped(*args, **kwargs)           # the original: 0.2 s
+
+p = Patcher("demo")
+p.wrap(Target, "work", wrapper)
+assert Target().work(0.2) == 0.2
+print(_timing.ENABLED, round(_timing.report().get("demo", {}).get("seconds", -1), 2))
+"""
+
+
+def run(value):
+    env = clean_env()
+    if value is not None:
+        env["ZEROSHIM_TIMING"] = value
+    proc = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split(), proc.stderr
+
+
+def test_own_time_only():
+    (enabled, seconds), _ = run("1")
+    assert enabled == "True" and 0.04 <= float(seconds) <= 0.09, seconds
+
+
+def test_off_by_default_and_bad_values_leave_it_off_loudly():
+    (enabled, seconds), _ = run(None)
+    assert (enabled, seconds) == ("False", "-1")
+    (enabled, seconds), err = run("maybe")
+    assert (enabled, seconds) == ("False", "-1") and "ZEROSHIM_TIMING='maybe' cannot be read" in err, err

@@ -1,0 +1,157 @@
+"""Benchmark mode: attribute zeroshim's own time (``ZEROSHIM_TIMING=1``, issue #28 item 3).
+
+With the flag set when zeroshim is imported, every wrapper a patch installs
+(:meth:`zeroshim._patcher.Patcher.wrap`) is timed, and the time spent inside
+the function it wraps is subtracted: what remains is zeroshim's own time (its
+checks, the dummy-loss graph walk, the bookkeeping), per patch.  A plain function
+a patch puts in place of another (:meth:`~zeroshim._patcher.Patcher.set`, e.g.
+``zero3_delegating_wrapper``'s ``hasattr``) is timed whole; the user's work that a
+wrapper runs another way (``nonreentrant_checkpoint`` re-issuing a checkpoint call as
+non-reentrant) is marked with :class:`original_work` and subtracted too.  Not covered: hooks a
+patch registers on torch objects (``zero3_moe_leaf``'s forward pre-hook, the
+dummy-loss walk's node pre-hooks, ``offload_worker_fork``'s at-fork hooks).
+
+Off by default and meant for benchmarks (``benchmarks/attribution.py``): the
+timers cost about a microsecond per wrapped call, counted as zeroshim's own time
+(so the figure is an upper bound).  ``report()`` returns ``{patch: {"calls": n,
+"seconds": s}}`` for this process; ``reset()`` empties it.  Values: ``1``/``0``
+(``true``, ``on`` ...); a value that cannot be read leaves timing off, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from time import perf_counter
+
+VARIABLE = "ZEROSHIM_TIMING"
+
+_totals: "dict" = {}
+_local = threading.local()
+
+
+def _read() -> bool:
+    from . import _flags, _log
+
+    value = os.environ.get(VARIABLE)
+    if value is None:
+        return False
+    parsed = _flags.bool_or_none(value)
+    if parsed is None:
+        _log.warning("zeroshim: %s=%r cannot be read; timing stays off (valid: 1/0, true/false, on/off)",
+                     VARIABLE, value)
+        return False
+    return parsed
+
+
+ENABLED = _read()
+
+
+def _add(name: str, seconds: float) -> None:
+    entry = _totals.get(name)
+    if entry is None:
+        entry = _totals[name] = [0, 0.0]
+    entry[0] += 1
+    entry[1] += seconds
+
+
+def timed_wrapper(name: str, wrapper):
+    """``wrapper(wrapped, instance, args, kwargs)`` whose own time, less the time in
+    ``wrapped`` (and in any zeroshim wrapper nested inside it), is added to ``name``."""
+
+    def timed(wrapped, instance, args, kwargs):
+        inner = [0.0]
+
+        def call_original(*a, **k):
+            start = perf_counter()
+            try:
+                return wrapped(*a, **k)
+            finally:
+                inner[0] += perf_counter() - start
+
+        stack = _stack()
+        stack.append(inner)
+        start = perf_counter()
+        try:
+            return wrapper(_Original(wrapped, call_original), instance, args, kwargs)
+        finally:
+            _add(name, perf_counter() - start - inner[0])
+            stack.pop()
+
+    return timed
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+class original_work:
+    """``with original_work(): ...`` around the user's own work that a wrapper runs another
+    way than through the function it wraps (``nonreentrant_checkpoint`` re-issuing a
+    checkpoint call as non-reentrant): in benchmark mode that time is not zeroshim's."""
+
+    __slots__ = ("_start",)
+
+    def __enter__(self):
+        self._start = perf_counter() if ENABLED else None
+        return self
+
+    def __exit__(self, *exc):
+        if self._start is not None:
+            stack = _stack()
+            if stack:
+                stack[-1][0] += perf_counter() - self._start
+        return False
+
+
+class _Original:
+    """Stands for the wrapped function inside a timed wrapper: calls go through the
+    timer, attributes (``__name__``, ``__self__``, ...) and ``inspect.signature`` to the function."""
+
+    __slots__ = ("_f", "_call")
+
+    def __init__(self, f, call):
+        self._f, self._call = f, call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._f, attr)
+
+    @property
+    def __wrapped__(self):
+        return self._f
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.signature(self._f)
+
+
+def timed_function(name: str, function):
+    """``function`` (a replacement set in place of another) timed whole under ``name``."""
+    import functools
+
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        start = perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _add(name, perf_counter() - start)
+
+    return timed
+
+
+def report() -> dict:
+    """``{patch: {"calls": n, "seconds": s}}``: zeroshim's own time in this process so far."""
+    return {name: {"calls": calls, "seconds": seconds} for name, (calls, seconds) in sorted(_totals.items())}
+
+
+def reset() -> None:
+    _totals.clear()
