@@ -6,8 +6,9 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift), plainly and under `zeroshim-run` (CI runs
-                            the accelerate one)
+                            LLaMA-Factory, ms-swift) and in the shapes of seed systems' own
+                            fine-tuning scripts (MiniCPM-V, Qwen), plainly and under `zeroshim-run`
+                            (CI runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
                             zeroshim in every rank (not in CI: about an hour per release)
     nox -s packaging        build the sdist and wheel, check the wheel's files, install it beside
@@ -134,6 +135,11 @@ CLIENTS = {
                      ["llamafactory==0.9.5", "torchaudio==2.11.0", "torchdata==0.11.0"], ["torchaudio/lib"]),
     "swift": (["deepspeed==0.19.2", "ms-swift==4.6.0", "transformers==5.19.0", "peft==0.20.0", "trl==0.29.1",
                "accelerate==1.15.0", "datasets==4.8.4", "modelscope==1.40.2"], [], []),
+    # Shapes of the seed systems' own fine-tuning scripts (no framework package: the script is
+    # ours, tests/clients/<name>_*.py).  The ds0.19.2 test environment's stack: transformers 4.57
+    # defaults to reentrant checkpointing and DeepSpeed 0.19.2 is inside zero3_frozen_recompute's range.
+    "minicpmv": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
+    "qwen": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
 }
 
 
