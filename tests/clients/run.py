@@ -356,6 +356,7 @@ def qwen_cases(paths: dict, work: Path):
     def cmd(out):
         return torchrun("qwen_finetune.py", "--model_name_or_path", paths["model"], "--data_path", paths["data"],
                         "--out", str(out / "result.json"), "--bf16", str(bf16), "--output_dir", str(out / "run"),
+                        "--deepspeed", str(ds_config),
                         "--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
                         "--save_strategy", "no", "--learning_rate", "1e-3", "--weight_decay", "0.1",
                         "--adam_beta2", "0.95", "--warmup_ratio", "0.01", "--lr_scheduler_type", "cosine",
