@@ -261,8 +261,10 @@ def minicpmv_cases(paths: dict, work: Path):
     --gradient_checkpointing true``, LoRA on the LLM with the resampler in ``modules_to_save``, a
     trainable vision tower run once per image (2 images per rank and step).  Reentrant checkpointing
     (transformers 4.57's default) runs the vision tower's backward once per image, each in its own
-    nested backward, and ZeRO refuses the second reduction of its gradients: ZeRO-2 "Gradient
-    computed twice for this partition", ZeRO-3 a bare ``AssertionError`` (``nonreentrant_checkpoint``).
+    nested backward: ZeRO-2 refuses the second reduction of its gradients ("Gradient computed twice
+    for this partition", ``nonreentrant_checkpoint``); ZeRO-3 (seen with ``ZEROSHIM_PATCHES=
+    zero3_delegating_wrapper``, the bug below out of the way) raises nothing but trains on other
+    gradients (first gradient norm 0.979564 against 0.980296 of every non-reentrant run).
     With the script's ``{"use_reentrant": false}`` ZeRO-2 trains plainly (the reference for ZeRO-2),
     and ZeRO-3 fails in the recompute of the frozen LLM weights on DeepSpeed < 0.19.3
     (``CheckpointError``, ``zero3_frozen_recompute``).  On DeepSpeed 0.16.5 to 0.19.2 both ZeRO-3
@@ -313,8 +315,10 @@ def minicpmv_cases(paths: dict, work: Path):
             fails = "Gradient computed twice" if reentrant is None and reentrant_default() else None
             reference = "MiniCPM-V finetune.py, LoRA + modules_to_save, ZeRO-2, use_reentrant False (the script's kwargs)"
         else:
+            # without the wrapper bug the reentrant run trains plainly, on other gradients (docstring):
+            # the loss comparison with the zeroshim run is what shows it
             fails = "ds_grads_remaining" if delegating_wrapper_bug() else \
-                "AssertionError" if reentrant is None and reentrant_default() else \
+                None if reentrant is None and reentrant_default() else \
                 "CheckpointError" if frozen_recompute_bug() else None
             reference = f"MiniCPM-V finetune.py, LoRA + modules_to_save, ZeRO-3, checkpointing default ({default_gc})"
         yield {"name": name, "cmd": cmd, "env": {}, "read": read_result_json, "plain_fails_with": fails,
