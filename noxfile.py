@@ -6,8 +6,9 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift, XTuner), plainly and under `zeroshim-run` (CI
-                            runs the accelerate one)
+                            LLaMA-Factory, ms-swift, XTuner) and in the shapes of seed systems' own
+                            fine-tuning scripts (MiniCPM-V, Qwen), plainly and under `zeroshim-run`
+                            (CI runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
                             zeroshim in every rank (not in CI: about an hour per release)
     nox -s differential     training configurations drawn from the axes users combine, without and
@@ -145,6 +146,11 @@ CLIENTS = {
                 "datasets==3.2.0", "einops", "loguru", "scipy", "sentencepiece", "tiktoken",
                 "transformers-stream-generator", "opencv-python-headless", "scikit-image", "openpyxl"],
                ["xtuner==0.2.0"], []),
+    # Shapes of the seed systems' own fine-tuning scripts (no framework package: the script is
+    # ours, tests/clients/<name>_*.py).  The ds0.19.2 test environment's stack: transformers 4.57
+    # defaults to reentrant checkpointing and DeepSpeed 0.19.2 is inside zero3_frozen_recompute's range.
+    "minicpmv": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
+    "qwen": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
 }
 
 

@@ -5,9 +5,11 @@ command: plainly, and under ``zeroshim-run`` (the command unchanged).  It
 must train under zeroshim, zeroshim must say which patches acted, and the
 losses must equal those of the plain run wherever that run trains; where the
 framework's settings hit a bug zeroshim fixes, the plain run must fail with
-that bug's error.
+that bug's error.  ``minicpmv`` and ``qwen`` are no framework but the shapes of those seed systems'
+own fine-tuning scripts (HF Trainer under ``torchrun``), rewritten for tiny local models
+(tests/clients/minicpmv_finetune.py, qwen_finetune.py).
 
-    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner [--work DIR]
+    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner|minicpmv|qwen [--work DIR]
 """
 
 from __future__ import annotations
@@ -256,9 +258,148 @@ def xtuner_cases(paths: dict, work: Path):
     yield from xt.cases(paths, work)
 
 
+# -- MiniCPM-V's fine-tuning script (shape) -------------------------------------------------
+def reentrant_default() -> bool:
+    """transformers' gradient checkpointing is reentrant unless told otherwise (up to 4.57)."""
+    return Version(version("transformers")) < Version("5.0.0.dev0")
+
+
+def delegating_wrapper_bug() -> bool:
+    """ZeRO-3 + peft ``modules_to_save`` fails in the first forward on DeepSpeed 0.16.5 to 0.19.2
+    (``AttributeError: ... 'ds_grads_remaining'``, patch ``zero3_delegating_wrapper``)."""
+    return Version("0.16.5") <= Version(version("deepspeed")) < Version("0.19.3") and \
+        Version(version("peft")) >= Version("0.14.0")
+
+
+def minicpmv_cases(paths: dict, work: Path):
+    """OpenBMB MiniCPM-V's ``finetune/finetune.py`` LoRA mode (tests/clients/minicpmv_finetune.py):
+    ``torchrun finetune.py --deepspeed ds_config_zero{2,3}.json --use_lora true --tune_vision true
+    --gradient_checkpointing true``, LoRA on the LLM with the resampler in ``modules_to_save``, a
+    trainable vision tower run once per image (2 images per rank and step).  Reentrant checkpointing
+    (transformers 4.57's default) runs the vision tower's backward once per image, each in its own
+    nested backward: ZeRO-2 refuses the second reduction of its gradients ("Gradient computed twice
+    for this partition", ``nonreentrant_checkpoint``); ZeRO-3 (seen with ``ZEROSHIM_PATCHES=
+    zero3_delegating_wrapper``, the bug below out of the way) raises nothing but trains on other
+    gradients (first gradient norm 0.979564 against 0.980296 of every non-reentrant run).
+    With the script's ``{"use_reentrant": false}`` ZeRO-2 trains plainly (the reference for ZeRO-2),
+    and ZeRO-3 fails in the recompute of the frozen LLM weights on DeepSpeed < 0.19.3
+    (``CheckpointError``, ``zero3_frozen_recompute``).  On DeepSpeed 0.16.5 to 0.19.2 both ZeRO-3
+    runs fail before either, in the first forward of the resampler's ``modules_to_save`` wrapper
+    (``AttributeError: 'Resampler' object has no attribute 'ds_grads_remaining'``,
+    ``zero3_delegating_wrapper``).  No ZeRO-3 run trains plainly there, so the ZeRO-3 runs are
+    compared with each other under zeroshim (their logged losses also equal the ZeRO-2 runs' here)."""
+    import minicpmv_finetune
+
+    paths = minicpmv_finetune.build(work / "minicpmv_assets")
+    ds_configs = {}
+    # The keys of the script's ds_config_zero2/3.json, without optimizer/scheduler (DeepSpeed's fused
+    # Adam is a GPU op) and without "train_batch_size": with ``use_cpu`` transformers does not start
+    # DeepSpeed's comm before ``zero.Init``, whose config check then counts one rank ("train_batch_size
+    # is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 4 != 2 * 1 * 1").
+    for stage in (2, 3):
+        zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto"}
+        if stage == 3:
+            zero.update(sub_group_size=1e9, stage3_prefetch_bucket_size="auto",
+                        stage3_param_persistence_threshold="auto", stage3_max_live_parameters=1e9,
+                        stage3_max_reuse_distance=1e9, stage3_gather_16bit_weights_on_model_save=True)
+        else:
+            zero.update(allgather_partitions=True, allgather_bucket_size=2e8, reduce_scatter=True)
+        ds_configs[stage] = work / f"minicpmv_ds_z{stage}.json"
+        ds_configs[stage].write_text(json.dumps({  # fp16/bf16 "auto" as the script's: without them
+            # transformers casts the float inputs (the images) to fp16 under DeepSpeed
+            "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}, "zero_optimization": zero, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "train_micro_batch_size_per_gpu": "auto", "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1000, "wall_clock_breakdown": False}))
+    default_gc = "reentrant" if reentrant_default() else "non-reentrant"
+    for stage, reentrant in ((2, "false"), (2, None), (3, None), (3, "false")):
+        def cmd(out, stage=stage, reentrant=reentrant):
+            extra = [] if reentrant is None else ["--gradient_checkpointing_kwargs", '{"use_reentrant": false}']
+            return torchrun("minicpmv_finetune.py", "--model_name_or_path", paths["model"],
+                            "--data_path", paths["data"], "--out", str(out / "result.json"),
+                            "--output_dir", str(out / "run"), "--deepspeed", str(ds_configs[stage]),
+                            "--use_lora", "true", "--tune_vision", "true", "--tune_llm", "false",
+                            "--lora_modules_to_save", "resampler", "--gradient_checkpointing", "true",
+                            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                            "--max_steps", "4", "--learning_rate", "1e-3", "--logging_steps", "1",
+                            "--save_strategy", "no", "--report_to", "none", "--use_cpu", "true", "--seed", "0",
+                            "--remove_unused_columns", "false", "--dataloader_num_workers", "0",
+                            "--disable_tqdm", "true", *extra)
+
+        name = f"MiniCPM-V finetune.py, LoRA + modules_to_save, ZeRO-{stage}, " + \
+            ("use_reentrant False (the script's kwargs)" if reentrant else f"checkpointing default ({default_gc})")
+        if stage == 2:
+            fails = "Gradient computed twice" if reentrant is None and reentrant_default() else None
+            reference = "MiniCPM-V finetune.py, LoRA + modules_to_save, ZeRO-2, use_reentrant False (the script's kwargs)"
+        else:
+            # without the wrapper bug the reentrant run trains plainly, on other gradients (docstring):
+            # the loss comparison with the zeroshim run is what shows it
+            fails = "ds_grads_remaining" if delegating_wrapper_bug() else \
+                None if reentrant is None and reentrant_default() else \
+                "CheckpointError" if frozen_recompute_bug() else None
+            reference = f"MiniCPM-V finetune.py, LoRA + modules_to_save, ZeRO-3, checkpointing default ({default_gc})"
+        yield {"name": name, "cmd": cmd, "env": {}, "read": read_result_json, "plain_fails_with": fails,
+               "same_losses_as": reference}
+
+
+# -- Qwen's fine-tuning script (shape) ------------------------------------------------------
+def qwen_cases(paths: dict, work: Path):
+    """QwenLM Qwen's ``finetune.py`` full fine-tune (tests/clients/qwen_finetune.py) as
+    ``finetune/finetune_ds.sh`` starts it: ``torchrun finetune.py --deepspeed ds_config_zero3.json
+    --bf16 True --gradient_checkpointing True --lazy_preprocess True``, ZeRO-3 with optimizer and
+    parameters offloaded to the CPU, DeepSpeed's ``WarmupLR``, ``gradient_clipping`` from the
+    Trainer's ``max_grad_norm`` (1.0), which every step's gradient norm exceeds here (checked).
+    On the CPU it trains plainly (``offload_clip_device`` needs a CUDA device); zeroshim must train
+    it to the same losses.  bf16 where the CPU has it (torch says), fp32 otherwise."""
+    import qwen_finetune
+    from transformers.utils import is_torch_bf16_available_on_device
+
+    paths = qwen_finetune.build(work / "qwen_assets")
+    # the keys of the script's ds_config_zero3.json, without "optimizer" and "train_batch_size" (see minicpmv_cases)
+    ds_config = work / "qwen_ds_z3.json"
+    ds_config.write_text(json.dumps({
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                              "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                              "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                              "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 100,
+        "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}))
+    bf16 = is_torch_bf16_available_on_device("cpu")
+
+    def cmd(out):
+        return torchrun("qwen_finetune.py", "--model_name_or_path", paths["model"], "--data_path", paths["data"],
+                        "--out", str(out / "result.json"), "--bf16", str(bf16), "--output_dir", str(out / "run"),
+                        "--deepspeed", str(ds_config),
+                        "--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                        "--save_strategy", "no", "--learning_rate", "1e-3", "--weight_decay", "0.1",
+                        "--adam_beta2", "0.95", "--warmup_ratio", "0.01", "--lr_scheduler_type", "cosine",
+                        "--logging_steps", "1", "--report_to", "none", "--model_max_length", "64",
+                        "--gradient_checkpointing", "True", "--lazy_preprocess", "True", "--use_cpu", "True",
+                        "--seed", "0", "--dataloader_num_workers", "0", "--disable_tqdm", "True")
+
+    def clipped(row):  # the threshold must be crossed, or the case shows nothing about clipping
+        result = row["plain"]["result"] or row["zeroshim"]["result"] or {}
+        norms, limit = result.get("grad_norms") or [], result.get("max_grad_norm")
+        return [] if norms and all(n > limit for n in norms) else \
+            [f"gradient norms {norms} do not all exceed gradient_clipping {limit}"]
+
+    name = f"Qwen finetune.py, full fine-tune, ZeRO-3 offload optimizer+param (CPU), {'bf16' if bf16 else 'fp32'}, " \
+        "gradient_clipping 1.0, checkpointing default"
+    yield {"name": name, "cmd": cmd, "env": {}, "read": read_result_json, "plain_fails_with": None,
+           "same_losses_as": None, "extra_check": clipped}
+
+
 FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
               "llamafactory": ("llamafactory", lf_cases), "swift": ("ms-swift", swift_cases),
-              "xtuner": ("xtuner", xtuner_cases)}
+              "xtuner": ("xtuner", xtuner_cases),
+              "minicpmv": ("transformers", minicpmv_cases), "qwen": ("transformers", qwen_cases)}
 
 
 def run_case(case: dict, work: Path) -> dict:
@@ -319,6 +460,8 @@ def check(case: dict, row: dict, rows: dict) -> list[str]:
         problems.append("no loss was logged")
     if any((row[arm]["result"] or {}).get("deepspeed") is False for arm in ("plain", "zeroshim")):
         problems.append("DeepSpeed was not in use")
+    if "extra_check" in case:
+        problems += case["extra_check"](row)
     return problems
 
 
