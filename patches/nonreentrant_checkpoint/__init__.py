@@ -13,7 +13,14 @@ Symptom
     * ZeRO-3: a bare ``AssertionError`` at ``assert len(set(p.ds_id for p in
       params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
       ``__reduce_and_partition_ipg_grads``; ``self.params_in_ipg_bucket`` in
-      0.14.x).
+      0.14.x);
+    * ZeRO-3, in some models no error at all: training goes on with other
+      gradients than the non-reentrant run's, silently (seen on DeepSpeed
+      0.19.2, 2 ranks, the MiniCPM-V-shaped client of ``nox -s clients``, a
+      vision tower run once per image: first gradient norm 0.97956 against
+      0.98030 for the non-reentrant and the ZeRO-2 runs, losses apart from the
+      second step; with only ``zero3_delegating_wrapper`` and
+      ``zero3_gloo_gather`` active, so neither of those is the cause).
 
 Cause
     Reentrant checkpointing recomputes each checkpointed call in its own nested
