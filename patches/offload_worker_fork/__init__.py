@@ -106,10 +106,17 @@ Fix
     thread).  DeepSpeed's ``offload_optimizer.pin_memory`` /
     ``offload_param.pin_memory`` page-lock the offloaded buffers through the
     accelerator (``tensor.pin_memory()`` on CUDA; unchanged on the CPU
-    accelerator): on CUDA such pages are marked and unmarked like any other
-    (read, not run: no GPU here); any ``MADV_DONTFORK`` a driver put on them
-    is found in smaps and left as it is; a ``madvise`` the kernel refuses is
-    counted (``madvise_errors``) and that range is then not unmarked.
+    accelerator): on CUDA such pages are marked and unmarked like any other;
+    any ``MADV_DONTFORK`` a driver put on them is found in smaps and left as
+    it is; a ``madvise`` the kernel refuses is counted (``madvise_errors``)
+    and that range is then not unmarked.  Run on an H200 (DeepSpeed 0.19.8,
+    torch 2.11.0+cu130, ZeRO-3 with both offloads pinned, a 50M-parameter MLP,
+    2 DataLoader workers re-forked each of 2 epochs; benchmarks/gpu_pinned_fork.py,
+    3 runs each way): the driver had marked none of DeepSpeed's pinned pages
+    ``dc``, zeroshim marked its 6 buffers (960 MiB) with no ``madvise``
+    refused, losses were identical, and the workers' PSS in epoch 2 (forked
+    after the optimizer state exists) was 937 MiB with zeroshim against
+    1512 MiB without.
 
     Not covered: ``persistent_workers=True`` loaders created before the engine
     (their workers already exist), and NVMe offload's swap buffers (small,
