@@ -71,6 +71,12 @@ Fix
       ``[0]``-shaped file is silent corruption.  A caller's own
       ``state_dict=`` is never touched; nothing changes where the tensors are
       whole (ZeRO-1/2, persistent parameters, inside the caller's own gather).
+      Known limitation (read, not run): a program that calls it on rank 0
+      alone and then overwrites the file with its own gathered state dict
+      (OpenRLHF 0.11.2 ``DeepspeedStrategy.save_model``,
+      ``utils/deepspeed/deepspeed.py`` lines 552-581) works without zeroshim
+      and gets the refusal with it, after the 60 s wait; set
+      ``ZEROSHIM_ZERO3_PEFT_SAVE=off`` there.
     One WARNING on global rank 0 the first time a save is changed.
 
 Undo
