@@ -136,6 +136,7 @@ class Patcher:
         previous = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         from . import _timing
 
+        # (not ``__del__``: it can run at interpreter shutdown, when the timer's globals may be gone)
         if _timing.ENABLED and type(value).__name__ == "function" and attr != "__del__":
             value = _timing.timed_function(self.patch_name, value)  # benchmark mode (zeroshim/_timing.py)
         setattr(owner, attr, value)

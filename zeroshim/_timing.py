@@ -60,20 +60,12 @@ def timed_wrapper(name: str, wrapper):
     ``wrapped`` (and in any zeroshim wrapper nested inside it), is added to ``name``."""
 
     def timed(wrapped, instance, args, kwargs):
-        inner = [0.0]
-
-        def call_original(*a, **k):
-            start = perf_counter()
-            try:
-                return wrapped(*a, **k)
-            finally:
-                inner[0] += perf_counter() - start
-
+        inner = [0.0]  # time in the original and in original_work blocks (added by original_work)
         stack = _stack()
         stack.append(inner)
         start = perf_counter()
         try:
-            return wrapper(_Original(wrapped, call_original), instance, args, kwargs)
+            return wrapper(_Original(wrapped), instance, args, kwargs)
         finally:
             _add(name, perf_counter() - start - inner[0])
             stack.pop()
@@ -89,9 +81,10 @@ def _stack() -> list:
 
 
 class original_work:
-    """``with original_work(): ...`` around the user's own work that a wrapper runs another
-    way than through the function it wraps (``nonreentrant_checkpoint`` re-issuing a
-    checkpoint call as non-reentrant): in benchmark mode that time is not zeroshim's."""
+    """``with original_work(): ...``: in benchmark mode the block's time is subtracted from the
+    innermost timed wrapper's own time.  Every call of the wrapped function runs in one
+    (:class:`_Original`); a wrapper that runs the user's work another way uses it too
+    (``nonreentrant_checkpoint`` re-issuing a checkpoint call as non-reentrant)."""
 
     __slots__ = ("_start",)
 
@@ -108,16 +101,18 @@ class original_work:
 
 
 class _Original:
-    """Stands for the wrapped function inside a timed wrapper: calls go through the
-    timer, attributes (``__name__``, ``__self__``, ...) and ``inspect.signature`` to the function."""
+    """Stands for the wrapped function inside a timed wrapper: a call runs as
+    :class:`original_work` of that wrapper; attributes (``__name__``, ``__self__``, ...) and
+    ``inspect.signature`` go to the function."""
 
-    __slots__ = ("_f", "_call")
+    __slots__ = ("_f",)
 
-    def __init__(self, f, call):
-        self._f, self._call = f, call
+    def __init__(self, f):
+        self._f = f
 
     def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
+        with original_work():
+            return self._f(*args, **kwargs)
 
     def __getattr__(self, attr):
         return getattr(self._f, attr)
