@@ -32,8 +32,11 @@ def patches_dir() -> str:
 
 
 def scenario(target: str) -> str:
-    """The script of ``target``: a patch name (its ``scenario.py``), or
-    ``<patch>/<script>.py`` for another scenario in that patch's folder."""
+    """The script of ``target``: a patch name (its ``scenario.py``),
+    ``<patch>/<script>.py`` for another scenario in that patch's folder, or the
+    absolute path of a script (e.g. tests/differential/train.py)."""
+    if os.path.isabs(target) and os.path.isfile(target):
+        return target
     name, _, script = target.partition("/")
     path = os.path.join(patches_dir(), name, script or "scenario.py")
     if not os.path.isfile(path):

@@ -36,7 +36,6 @@ import itertools
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -130,28 +129,12 @@ def name_of(cfg: dict) -> str:
 
 
 def launch(cfg: dict, mode: str, out: Path) -> dict:
-    """One torchrun launch; ``{"ok", "error", "ranks", "seconds"}``."""
+    """One torchrun launch (zeroshim's launcher); ``{"ok", "error", "ranks", "seconds"}``."""
     from zeroshim import _launch
 
-    out.mkdir(parents=True, exist_ok=True)
-    env = _launch.clean_env("cpu", PYTHONWARNINGS="ignore")
-    env["LOCAL_SIZE"] = str(cfg["ranks"])
     start = time.time()
-    with _launch.master_port() as port:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg["ranks"]),
-               "--master_addr", "127.0.0.1", "--master_port", str(port), str(HERE / "train.py"),
-               "--out", str(out), "--mode", mode, "--config", json.dumps(cfg), "--timeout", str(TIMEOUT)]
-        try:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=TIMEOUT + 120)
-            log = proc.stdout
-        except subprocess.TimeoutExpired as exc:
-            log = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    (out / "log.txt").write_text(log)
-    ranks = []
-    for r in range(cfg["ranks"]):
-        path = out / f"rank{r}.json"
-        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    ranks = _launch.launch(str(HERE / "train.py"), cfg["ranks"], str(out), "--mode", mode, "--config",
+                           json.dumps(cfg), "--timeout", str(TIMEOUT), timeout=TIMEOUT + 120)["ranks"]
     errors = [r.get("error") for r in ranks if r and not r.get("ok")]
     ok = all(r and r.get("ok") for r in ranks)
     error = None

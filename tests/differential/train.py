@@ -147,7 +147,7 @@ def ds_config(cfg, world):
     return out
 
 
-def trainable_digest(net, rank):
+def trainable_digest(net):
     digest = hashlib.sha256()
     for _, p in sorted(net.named_parameters()):
         if not p.requires_grad:
@@ -167,7 +167,7 @@ def train(deepspeed, cfg, rank):
     net = build(cfg)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config(cfg, world))
-    before = trainable_digest(engine.module, rank)
+    before = trainable_digest(engine.module)
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
     for _ in range(STEPS * cfg["ga"]):
@@ -177,7 +177,7 @@ def train(deepspeed, cfg, rank):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    out = {"losses": losses, "updated": trainable_digest(engine.module, rank) != before,
+    out = {"losses": losses, "updated": trainable_digest(engine.module) != before,
            **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
     skipped = getattr(engine, "skipped_steps", None)
     if skipped is not None:
