@@ -17,22 +17,31 @@ def sentences(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 24))) for _ in range(count)]
 
 
-def build(root: Path) -> dict:
-    """Write ``root/model`` (config, weights, tokenizer) and ``root/train.jsonl``
-    (``{"text": ...}`` per line); return their paths."""
-    import torch
+def save_word_tokenizer(model_dir: Path, extra_specials=()) -> dict:
+    """Save a word-level tokenizer over ``WORDS`` to ``model_dir``: ids 0-3 are ``<unk> <s> </s>
+    <pad>``, then ``extra_specials``, then the words; return its vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    root.mkdir(parents=True, exist_ok=True)
-    model_dir = root / "model"
-    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    specials = ["<unk>", "<s>", "</s>", "<pad>", *extra_specials]
     vocab = {tok: i for i, tok in enumerate(specials + sorted(set(WORDS)))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
                                         eos_token="</s>", pad_token="<pad>")
     tokenizer.save_pretrained(model_dir)
+    return vocab
+
+
+def build(root: Path) -> dict:
+    """Write ``root/model`` (config, weights, tokenizer) and ``root/train.jsonl``
+    (``{"text": ...}`` per line); return their paths."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = root / "model"
+    vocab = save_word_tokenizer(model_dir)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,

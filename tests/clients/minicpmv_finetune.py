@@ -137,18 +137,9 @@ class ToyMiniCPMV(PreTrainedModel, GenerationMixin):
 def build(root: Path) -> dict:
     """Write ``root/model`` (config, weights, tokenizer) and ``root/train.json`` (MiniCPM-V's data
     format: id, image, conversations with ``<image>``), images as tensors in ``root/images``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     root.mkdir(parents=True, exist_ok=True)
     model_dir = root / "model"
-    specials = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN, "user:", "assistant:"]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(assets.WORDS)))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>", pad_token="<pad>")
-    tokenizer.save_pretrained(model_dir)
+    vocab = assets.save_word_tokenizer(model_dir, (IMAGE_TOKEN, "user:", "assistant:"))
     torch.manual_seed(0)
     llm = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
