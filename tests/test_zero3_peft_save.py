@@ -63,6 +63,12 @@ def test_custom_loop_saves(ranks):
             assert run["rank0_overwrite"]["file"] == "adapter_model.bin"
             assert run["rank0_overwrite"]["sha256"] == run["every_rank_by_hand"]["sha256"]
         assert proof.verdicts(fix["rank0_overwrite"]) == (["replaced"] if rank is ranks[0] else [])
+        # rank 1 alone: peft writes placeholders; zeroshim skips that write (rank 0 writes the job's files)
+        assert proof.placeholders(out["rank1_only"]) and not fix["rank1_only"].get("written")
+        # every rank "main" (HF Trainer on a CPU-only accelerate): rank 1's placeholder write cannot land over
+        # rank 0's whole file with zeroshim (without it, whichever rank writes last wins)
+        assert "error" not in fix["both_main"], fix["both_main"]
+        assert fix["both_main"]["sha256"] == fix["every_rank_by_hand"]["sha256"]
         # LoRA tensors below stage3_param_persistence_threshold are never partitioned: nothing to do
         assert out["persistent"]["sha256"] == fix["persistent"]["sha256"]
 
@@ -70,8 +76,9 @@ def test_custom_loop_saves(ranks):
 def test_status_and_action(ranks):
     for index, rank in enumerate(ranks):
         assert rank["status"]["state"] == "applied", rank["status"]
-        # two gathered saves on every rank; two lone saves on rank 0; the Trainer's adapter
+        # two gathered saves on every rank; two lone saves on rank 0 (peft's file) and two on rank 1 (skipped:
+        # rank 1 alone, and the all-"main" save); the Trainer's adapter
         # replaced on the saving rank where transformers drops it
-        assert rank["stats"] == {"gathered": 2, "alone": 2 if index == 0 else 0,
+        assert rank["stats"] == {"gathered": 2, "alone": 2, "skipped": 0 if index == 0 else 2,
                                  "trainer_gathered": int(TRAINER_AFFECTED and index == 0)}
         assert ("wrapped" in rank["trainer_target"]) == TRAINER_AFFECTED

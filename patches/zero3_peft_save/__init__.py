@@ -80,6 +80,13 @@ Fix
       ``save_pretrained`` on rank 0 alone, then replaces the file with
       ``adapter_model.bin``).  Such a program's files are the same with and
       without zeroshim; its save takes ``RENDEZVOUS_TIMEOUT_S`` longer.
+      A lone ``save_pretrained`` without ``state_dict`` on a rank other than
+      global rank 0 skips its write instead (WARNING): its file could only
+      hold placeholders, and written after rank 0's it replaces the whole one.
+      That happens where every rank believes it is the main process: axolotl
+      0.19 / HF Trainer on a CPU-only accelerate 1.13 (no backend, so every
+      rank has ``process_index`` 0 and ``should_save``), where plain runs left
+      a placeholder file 6 times in 10 (``nox -s "clients(framework='axolotl')"``).
       (Up to zeroshim 0.2.0 the lone call raised ``RuntimeError`` instead,
       which made OpenRLHF's working save fail.)
     One WARNING on global rank 0 the first time a save is changed.
@@ -101,11 +108,13 @@ NAME = "zero3_peft_save"
 #: seconds a rank saving a partitioned adapter waits for the other ranks before saving alone
 RENDEZVOUS_TIMEOUT_S = 60.0
 #: what the patch did (introspection and tests): Trainer saves whose adapter was gathered,
-#: get_peft_model_state_dict calls gathered, calls made on a rank alone (peft's placeholders returned)
-stats = {"trainer_gathered": 0, "gathered": 0, "alone": 0}
+#: get_peft_model_state_dict calls gathered, calls made on a rank alone (peft's placeholders returned),
+#: lone save_pretrained writes skipped on ranks other than 0
+stats = {"trainer_gathered": 0, "gathered": 0, "alone": 0, "skipped": 0}
 _where: dict = {}
 _lone_calls: list = []   # per lone call: the keys it returned as placeholders
 _lone_dirs: list = []    # (directory, keys) where a lone save_pretrained wrote them, checked at exit
+_saving: list = []       # non-empty while PeftModel.save_pretrained runs (zeroshim's wrapper)
 _pending: dict = {}   # id(trainer) -> the gathered state dict, while its save_model runs
 
 
@@ -336,6 +345,16 @@ def check_lone_saves() -> list:
     return verdicts
 
 
+class _SkipWrite(Exception):
+    """Raised inside ``PeftModel.save_pretrained`` to skip a lone placeholder write on a rank other than 0."""
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _get_peft_model_state_dict(wrapped, instance, args, kwargs):
     """Wraps ``peft.utils.save_and_load.get_peft_model_state_dict(model, state_dict=None, adapter_name=...)``."""
     plan = None
@@ -354,10 +373,25 @@ def _get_peft_model_state_dict(wrapped, instance, args, kwargs):
             gather = deepspeed.zero.GatheredParameters(plan, modifier_rank=None)
     if why is not None:  # a rank alone: peft's own result, said loudly, and its file checked at exit
         result = wrapped(*args, **kwargs)
+        skip = False
         with guard(NAME):
             stats["alone"] += 1
             _lone_calls.append([k for k, v in result.items() if getattr(v, "numel", lambda: 1)() == 0])
-            _log.warning("%s", _alone_warning(plan, why), scope=_log.EVERY, once=(NAME, "alone"))
+            rank = _global_rank()
+            skip = bool(_saving) and rank != 0
+            if skip:
+                stats["skipped"] += 1
+                _log.warning("zeroshim[%s]: rank %d called save_pretrained alone under DeepSpeed ZeRO-3 with %d "
+                             "partition placeholder(s) of shape [0] and no state_dict (%s): its file could only "
+                             "hold placeholders, and written after rank 0's it would replace that one, so this "
+                             "rank's write is skipped (rank 0 writes the job's files).  Seen where every rank "
+                             "believes it is the main process (HF Trainer on a CPU-only accelerate).  "
+                             "ZEROSHIM_ZERO3_PEFT_SAVE=off writes it as peft does.", NAME, rank, len(plan), why,
+                             scope=_log.EVERY, once=(NAME, "skipped"))
+            else:
+                _log.warning("%s", _alone_warning(plan, why), scope=_log.EVERY, once=(NAME, "alone"))
+        if skip:
+            raise _SkipWrite()
         return result
     if gather is None:  # zeroshim's own error (logged by guard): peft's behaviour
         return wrapped(*args, **kwargs)
@@ -378,7 +412,13 @@ def _save_pretrained(wrapped, instance, args, kwargs):
 
     before = len(_lone_calls)
     started = time.time()
-    result = wrapped(*args, **kwargs)
+    _saving.append(True)
+    try:
+        result = wrapped(*args, **kwargs)
+    except _SkipWrite:
+        return None
+    finally:
+        _saving.pop()
     with guard(NAME):
         if len(_lone_calls) > before:
             keys = [k for call in _lone_calls[before:] for k in call]
@@ -434,7 +474,9 @@ def check_config(cfg, affected: bool) -> list:
 def _reset() -> None:
     _pending.clear()
     _lone_calls.clear()
+    _saving.clear()
     _log.forget((NAME, "acted"))
+    _log.forget((NAME, "skipped"))
     _log.forget((NAME, "alone"))
 
 

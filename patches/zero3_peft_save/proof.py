@@ -58,7 +58,9 @@ def judge(ranks):
             and verdicts(fix["custom"]["rank0_only"]) == (["placeholders"] if rank is ranks[0] else [])
             and whole(fix["custom"]["rank0_overwrite"])
             and fix["custom"]["rank0_overwrite"]["sha256"] == fix["custom"]["every_rank_by_hand"]["sha256"]
-            and verdicts(fix["custom"]["rank0_overwrite"]) == (["replaced"] if rank is ranks[0] else []))
+            and verdicts(fix["custom"]["rank0_overwrite"]) == (["replaced"] if rank is ranks[0] else [])
+            and not fix["custom"]["rank1_only"].get("written")
+            and fix["custom"]["both_main"].get("sha256") == fix["custom"]["every_rank_by_hand"]["sha256"])
         if rank is ranks[0]:
             said_without = (f"Trainer.save_model: {_describe(out['trainer'])}; save_pretrained on every rank: "
                             f"{_describe(out['custom']['every_rank'])}, on rank 0 alone: "

@@ -14,7 +14,9 @@
   (LoRA tensors that small are not partitioned: saved whole, the not-affected case);
 * ``with``: the same with zeroshim (the rendezvous timeout is shortened to 5 s).
 
-Both custom loops also save OpenRLHF's way (0.11.2 ``DeepspeedStrategy.save_model``, in
+Both custom loops also save on rank 1 alone, and as HF Trainer does where every rank
+believes it is the main process (rank 0 with the gathered dictionary, the others with
+``state_dict=None``: axolotl on a CPU); and OpenRLHF's way (0.11.2 ``DeepspeedStrategy.save_model``, in
 shape): every rank gathers the trainable parameters, rank 0 alone calls
 ``save_pretrained`` and then writes ``adapter_model.bin`` from the gathered dictionary
 and removes peft's ``adapter_model.safetensors``.  With zeroshim each lone save's file is
@@ -183,6 +185,27 @@ def openrlhf_style_save(engine, where: str) -> dict:
     return out
 
 
+def both_main_save(engine, where: str) -> dict:
+    """What HF Trainer (transformers >= 5) does where every rank believes it is the main process
+    (axolotl / accelerate on a CPU): every rank gathers the trainable parameters, rank 0 gets them
+    and the others None, and every rank calls ``save_pretrained(dir, state_dict=...)``."""
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        full = {n: p.detach().cpu().clone() for n, p in named} if dist.get_rank() == 0 else None
+    out = {}
+    try:
+        engine.module.save_pretrained(where, state_dict=full)
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    dist.barrier()
+    try:
+        out.update(read_adapter(where))
+    except Exception as exc:  # two ranks wrote one file at once (without zeroshim)
+        out.update({"written": True, "unreadable": f"{type(exc).__name__}: {exc}"})
+    dist.barrier()
+    return out
+
+
 def custom_save(mode: str) -> dict:
     """The custom loop's saves (``mode``: "reference", "without" or "with")."""
     out = {}
@@ -204,6 +227,8 @@ def custom_save(mode: str) -> dict:
             out["rank0_only"]["check"] = lone_check(mode)
             out["rank0_overwrite"] = openrlhf_style_save(engine, os.path.join(root, "overwrite"))
             out["rank0_overwrite"]["check"] = lone_check(mode)
+            out["rank1_only"] = save_and_read(engine, os.path.join(root, "rank1"), (1,))
+            out["both_main"] = both_main_save(engine, os.path.join(root, "both"))
             # after lone saves, a save on every rank still meets and gathers
             out["every_rank_again"] = save_and_read(engine, os.path.join(root, "again"), (0, 1))
             persistent = custom_engine(threshold_zero=False)
