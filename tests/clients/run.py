@@ -421,7 +421,7 @@ def run_case(case: dict, work: Path) -> dict:
                                           monitor)
         result = case["read"](out, log) if returncode == 0 or case.get("judge_by_results") else None
         row[arm] = {"returncode": returncode, "seconds": round(seconds, 1), "result": result,
-                    "tail": None if result else log[-12000:]}
+                    "tail": None if result and returncode == 0 else log[-12000:]}
         if monitor is not None:
             row[arm]["memory"] = monitor.stop()
     return row
@@ -513,6 +513,8 @@ def main() -> int:
 
         print(f"| {case['name']} | {cell('plain')} | {cell('zeroshim')} | {acted_text(row['zeroshim']['result'])} | "
               f"{'; '.join(problems) or 'ok'} |", flush=True)
+        for note in case.get("notes", lambda row: [])(row):  # facts a case reports beside its verdict
+            print(f"|  | note: {note} |  |  |  |", flush=True)
     (work / "results.json").write_text(json.dumps({"versions": stack, "rows": rows}, indent=1))
     print(f"results and logs: {work}")
     return 1 if failed else 0

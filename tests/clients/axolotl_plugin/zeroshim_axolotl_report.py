@@ -28,6 +28,7 @@ class _Report(TrainerCallback):
         import torch.distributed as dist
 
         result = {"losses": [h["loss"] for h in state.log_history if "loss" in h],
+                  "log_history": state.log_history,
                   "deepspeed": bool(getattr(self.trainer, "is_deepspeed_enabled", False)),
                   "gradient_checkpointing_kwargs": args.gradient_checkpointing_kwargs,
                   "zeroshim": "zeroshim" in sys.modules}
@@ -37,6 +38,16 @@ class _Report(TrainerCallback):
             result["states"] = {n: s.state for n, s in zeroshim.status().items() if n in PATCHES}
             result["counters"] = {name: {k: v for k, v in zeroshim.stats(name).items() if isinstance(v, (int, float))}
                                   for name in PATCHES if name in result["applied"]}
+        # who will write the model at the end (transformers' should_save, accelerate's is_main_process)
+        mine = {"rank": dist.get_rank() if dist.is_initialized() else 0, "process_index": args.process_index,
+                "should_save": args.should_save, "is_main_process": self.trainer.accelerator.is_main_process,
+                "distributed_type": str(self.trainer.accelerator.distributed_type)}
+        ranks = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        result["ranks"] = ranks
         if not dist.is_initialized() or dist.get_rank() == 0:
             with open(os.path.join(args.output_dir, "zeroshim_report.json"), "w") as fh:
                 json.dump(result, fh)
