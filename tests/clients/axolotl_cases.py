@@ -19,8 +19,35 @@ What a CPU needs in the config (each is a key a user sets, not a stand-in):
 * ``optimizer: adamw_torch`` (the default is the fused one) and ``attn_implementation: eager``.
 
 Losses and zeroshim's counters come from ``axolotl_plugin/zeroshim_axolotl_report.py``, an axolotl
-plugin listed in the config (``plugins:``, axolotl's own extension point), on PYTHONPATH in both arms.
-``AXOLOTL_DO_NOT_TRACK=1`` in both arms (axolotl's telemetry posts to an outside host otherwise).
+plugin listed in the config (``plugins:``, axolotl's own extension point), on PYTHONPATH in both arms,
+written when training ends, before axolotl's final save; a run is judged by them (``judge_by_results``)
+and must also exit 0.  ``AXOLOTL_DO_NOT_TRACK=1`` in both arms (axolotl's telemetry posts to an outside
+host otherwise).
+
+What a CPU changes (measured here, 2026-11-26):
+
+* Every rank's Trainer has ``process_index`` 0 and ``should_save`` True.  axolotl builds accelerate's
+  ``PartialState`` with ``ACCELERATE_USE_DEEPSPEED`` and without ``cpu``; with no CUDA, accelerate 1.13
+  picks no backend, lets DeepSpeed initialise torch.distributed (gloo) and then records "no distributed
+  training": index 0, one process (``accelerate/state.py``, "No backend == no distributed training"),
+  while the distributed type is DEEPSPEED.  So the Trainer does not shard the data (each rank trains on
+  the same batches: 4 steps are 0.25 epoch of 32 rows, not 0.5) and every rank runs ``_save``.  On rank 1,
+  transformers' ZeRO-3 gather (``_zero3_consolidated_16bit_state_dict``) returns None, so peft writes the
+  adapter from ``model.state_dict()``: 8 ``[0]``-shaped placeholders, into the same file rank 0 writes
+  whole; whichever rank writes last wins (placeholders in 4 of 7 plain runs here).  Under zeroshim,
+  ``zero3_peft_save`` refuses rank 1's placeholder save after its 60 s rendezvous, and the run exits 1
+  after training (rank 0's file is whole).  ``ACCELERATE_USE_CPU=true`` gives the right indices but
+  makes the Trainer wrap the ZeRO-3-partitioned model in DDP instead of DeepSpeed ("Padding_idx must be
+  within num_embeddings" at the first forward), so it is not set.  With CUDA, accelerate takes nccl and
+  the indices are right: this is a CPU-only state.
+* Plain runs of one config differ from each other after the first step: the first loss is the same bit
+  for bit, the first gradient norm is not (0.62, 0.49, 0.50, 0.38 in four runs on DeepSpeed 0.18.9 and
+  0.19.2), and the later losses differ by up to about 1e-3 relative.  Not found yet why (the clients'
+  other frameworks are bit-for-bit reproducible with the same DeepSpeed config); losses are compared by
+  ``same_losses``: the first equal, the rest within ``LOSS_RTOL``.
+* ZeRO-2 does not load: with 2 ranks axolotl sets ``device_map = {"": LOCAL_RANK}`` and only deletes it
+  under ZeRO-3 (``utils/config/__init__.py``, ``loaders/model.py``): "RuntimeError: Cannot access
+  accelerator device when none is available."
 """
 
 from __future__ import annotations
