@@ -6,7 +6,7 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift, XTuner) and in the shapes of seed systems' own
+                            LLaMA-Factory, ms-swift, XTuner, axolotl) and in the shapes of seed systems' own
                             fine-tuning scripts (MiniCPM-V, Qwen), plainly and under `zeroshim-run`
                             (CI runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with

@@ -100,7 +100,8 @@ def adapter_file(out: Path) -> str:
     with safe_open(str(path), "pt") as f:
         shapes = [tuple(f.get_slice(k).get_shape()) for k in f.keys()]
     empty = sum(1 for shape in shapes if 0 in shape)
-    return f"{len(shapes)} tensors, all whole" if not empty else f"{empty} of {len(shapes)} tensors [0]-shaped placeholders"
+    return f"{len(shapes)} tensors, all whole" if not empty else \
+        f"{empty} of {len(shapes)} tensors [0]-shaped placeholders"
 
 
 #: relative tolerance for losses after the first step: plain axolotl runs of one config differ from each other
@@ -127,7 +128,8 @@ def check(case: dict, row: dict, rows: dict) -> list:
     problems = [p for p in run.check(case, row, rows) if not p.startswith("losses differ")]
     shim, ref = row["zeroshim"]["result"], reference_losses(case, row, rows)
     if shim and ref and not same_losses(shim["losses"], ref):
-        problems.append(f"losses differ beyond the first step's equality and rel. {LOSS_RTOL}: {shim['losses']} vs {ref}")
+        problems.append(f"losses differ beyond the first step's equality and rel. {LOSS_RTOL}: "
+                        f"{shim['losses']} vs {ref}")
     for arm in ("plain", "zeroshim"):
         r = row[arm]
         if r["result"] is not None and r["returncode"] != 0:
@@ -199,7 +201,8 @@ def coexistence_cases(paths: dict, work: Path):
                                 "--out", str(out / "result.json"))
         return cmd
 
-    reference = "axolotl's layers, ZeRO-3 full fine-tune, 3 steps: transformers' non-reentrant checkpointing (reference)"
+    reference = "axolotl's layers, ZeRO-3 full fine-tune, 3 steps: transformers' non-reentrant checkpointing " \
+        "(reference)"
 
     def same_as_reference(row, rows, arms=("plain", "zeroshim")):
         ref = ((rows.get(reference) or {}).get("plain") or {}).get("result")

@@ -41,7 +41,8 @@ class _Report(TrainerCallback):
         # who will write the model at the end (transformers' should_save, accelerate's is_main_process)
         mine = {"rank": dist.get_rank() if dist.is_initialized() else 0, "process_index": args.process_index,
                 "should_save": args.should_save, "is_main_process": self.trainer.accelerator.is_main_process,
-                "distributed_type": str(self.trainer.accelerator.distributed_type)}
+                "distributed_type": str(self.trainer.accelerator.distributed_type),
+                "losses": [h["loss"] for h in state.log_history if "loss" in h]}
         ranks = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if dist.is_initialized():
             dist.all_gather_object(ranks, mine)
