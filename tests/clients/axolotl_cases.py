@@ -41,10 +41,11 @@ What a CPU changes (measured here, 2026-11-26):
   within num_embeddings" at the first forward), so it is not set.  With CUDA, accelerate takes nccl and
   the indices are right: this is a CPU-only state.
 * Plain runs of one config differ from each other after the first step: the first loss is the same bit
-  for bit, the first gradient norm is not (0.62, 0.49, 0.50, 0.38 in four runs on DeepSpeed 0.18.9 and
-  0.19.2), and the later losses differ by up to about 1e-3 relative.  Not found yet why (the clients'
-  other frameworks are bit-for-bit reproducible with the same DeepSpeed config); losses are compared by
-  ``same_losses``: the first equal, the rest within ``LOSS_RTOL``.
+  for bit, the first gradient norm is not (0.62, 0.49, 0.40, 0.47 in four runs on DeepSpeed 0.18.9; 0.50,
+  0.38 on 0.19.2), and the later losses differ by up to about 1e-3 relative.  Within a run both ranks log
+  the same losses at every step (same batches), so it is not the data order.  Not found yet why (the
+  coexistence cases below and the other clients, with the same DeepSpeed config, are bit-for-bit
+  reproducible); losses are compared by ``same_losses``: the first equal, the rest within ``LOSS_RTOL``.
 * ZeRO-2 does not load: with 2 ranks axolotl sets ``device_map = {"": LOCAL_RANK}`` and only deletes it
   under ZeRO-3 (``utils/config/__init__.py``, ``loaders/model.py``): "RuntimeError: Cannot access
   accelerator device when none is available."
