@@ -6,7 +6,7 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift, XTuner) and in the shapes of seed systems' own
+                            LLaMA-Factory, ms-swift, XTuner, axolotl) and in the shapes of seed systems' own
                             fine-tuning scripts (MiniCPM-V, Qwen), plainly and under `zeroshim-run`
                             (CI runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
@@ -146,6 +146,21 @@ CLIENTS = {
                 "datasets==3.2.0", "einops", "loguru", "scipy", "sentencepiece", "tiktoken",
                 "transformers-stream-generator", "opencv-python-headless", "scikit-image", "openpyxl"],
                ["xtuner==0.2.0"], []),
+    # axolotl 0.19.0: the only release for Python 3.11 + torch 2.13 (0.20 and later require Python
+    # >= 3.12, 0.18 torch <= 2.12.1).  Without its dependencies: it requires xformers (whose wheels pin
+    # a CUDA torch), gradio, modal, lm_eval, cloud filesystems and more that `axolotl train` does not
+    # import for LoRA on a CPU; its pins for the rest are kept.  DeepSpeed is the newest of its extra's
+    # range (>=0.18.6,<0.19.0), without deepspeed-kernels (CUDA).  Imported at module level on the
+    # `axolotl train` path, so installed (--no-deps, they import without a GPU): axolotl-contribs-lgpl
+    # (axolotl/train.py), bitsandbytes (loaders/adapter.py) and triton (monkeypatch/trainer/utils.py;
+    # about 1 GB of the environment's 3 GB).  See tests/clients/axolotl_cases.py.
+    "axolotl": (["deepspeed==0.18.9", "transformers==5.16.1", "peft==0.20.0", "accelerate==1.13.0", "trl==1.9.0",
+                 "datasets==4.8.4", "tokenizers==0.23.1", "huggingface_hub==1.17.0", "pydantic==2.12.5", "addict",
+                 "colorama", "fire", "numba", "pandas", "posthog", "psutil", "pyarrow", "termcolor",
+                 "evaluate==0.4.1", "wandb", "fastcore", "pillow", "httpx", "pyyaml", "requests", "sentencepiece",
+                 "einops", "scipy", "click", "python-dotenv"],
+                ["axolotl==0.19.0", "axolotl-contribs-lgpl==0.0.7", "axolotl-contribs-mit==0.0.6",
+                 "bitsandbytes==0.50.2", "triton==3.9.0"], []),
     # Shapes of the seed systems' own fine-tuning scripts (no framework package: the script is
     # ours, tests/clients/<name>_*.py).  The ds0.19.2 test environment's stack: transformers 4.57
     # defaults to reentrant checkpointing and DeepSpeed 0.19.2 is inside zero3_frozen_recompute's range.

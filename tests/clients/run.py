@@ -9,7 +9,7 @@ that bug's error.  ``minicpmv`` and ``qwen`` are no framework but the shapes of 
 own fine-tuning scripts (HF Trainer under ``torchrun``), rewritten for tiny local models
 (tests/clients/minicpmv_finetune.py, qwen_finetune.py).
 
-    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner|minicpmv|qwen [--work DIR]
+    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner|axolotl|minicpmv|qwen [--work DIR]
 """
 
 from __future__ import annotations
@@ -250,6 +250,14 @@ def swift_cases(paths: dict, work: Path):
                else None, "same_losses_as": reference}
 
 
+def axolotl_cases(paths: dict, work: Path):
+    """``axolotl train cfg.yml --launcher torchrun -- ...`` (axolotl 0.19.0, DeepSpeed 0.18.9): see
+    tests/clients/axolotl_cases.py."""
+    import axolotl_cases as ax
+
+    yield from ax.cases(paths, work)
+
+
 def xtuner_cases(paths: dict, work: Path):
     """``xtuner train CONFIG --deepspeed ...`` (XTuner 0.2.0: mmengine + DeepSpeed 0.16.2): see
     tests/clients/xtuner_cases.py."""
@@ -398,7 +406,7 @@ def qwen_cases(paths: dict, work: Path):
 
 FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
               "llamafactory": ("llamafactory", lf_cases), "swift": ("ms-swift", swift_cases),
-              "xtuner": ("xtuner", xtuner_cases),
+              "xtuner": ("xtuner", xtuner_cases), "axolotl": ("axolotl", axolotl_cases),
               "minicpmv": ("transformers", minicpmv_cases), "qwen": ("transformers", qwen_cases)}
 
 
@@ -413,7 +421,7 @@ def run_case(case: dict, work: Path) -> dict:
                                           monitor)
         result = case["read"](out, log) if returncode == 0 or case.get("judge_by_results") else None
         row[arm] = {"returncode": returncode, "seconds": round(seconds, 1), "result": result,
-                    "tail": None if result else log[-12000:]}
+                    "tail": None if result and returncode == 0 else log[-12000:]}
         if monitor is not None:
             row[arm]["memory"] = monitor.stop()
     return row
@@ -505,6 +513,8 @@ def main() -> int:
 
         print(f"| {case['name']} | {cell('plain')} | {cell('zeroshim')} | {acted_text(row['zeroshim']['result'])} | "
               f"{'; '.join(problems) or 'ok'} |", flush=True)
+        for note in case.get("notes", lambda row: [])(row):  # facts a case reports beside its verdict
+            print(f"|  | note: {note} |  |  |  |", flush=True)
     (work / "results.json").write_text(json.dumps({"versions": stack, "rows": rows}, indent=1))
     print(f"results and logs: {work}")
     return 1 if failed else 0
