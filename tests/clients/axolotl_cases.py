@@ -34,9 +34,11 @@ What a CPU changes (measured here, 2026-11-26):
   the same batches: 4 steps are 0.25 epoch of 32 rows, not 0.5) and every rank runs ``_save``.  On rank 1,
   transformers' ZeRO-3 gather (``_zero3_consolidated_16bit_state_dict``) returns None, so peft writes the
   adapter from ``model.state_dict()``: 8 ``[0]``-shaped placeholders, into the same file rank 0 writes
-  whole; whichever rank writes last wins (placeholders in 6 of 10 plain runs here).  Under zeroshim,
-  ``zero3_peft_save`` refuses rank 1's placeholder save after its 60 s rendezvous, and the run exits 1
-  after training (rank 0's file is whole).  ``ACCELERATE_USE_CPU=true`` gives the right indices but
+  whole; whichever rank writes last wins (placeholders in 6 of 10 plain runs here).  Under zeroshim
+  0.2.0's ``zero3_peft_save`` refused rank 1's placeholder save after its 60 s rendezvous, and the run
+  exited 1 after training (rank 0's file whole: measured, 3 cases).  Since then that patch skips a lone
+  placeholder write on a rank other than 0 (its scenario saves this way: the file equals the gathered
+  save); this session was not re-run after that change.  ``ACCELERATE_USE_CPU=true`` gives the right indices but
   makes the Trainer wrap the ZeRO-3-partitioned model in DDP instead of DeepSpeed ("Padding_idx must be
   within num_embeddings" at the first forward), so it is not set.  With CUDA, accelerate takes nccl and
   the indices are right: this is a CPU-only state.
