@@ -146,6 +146,13 @@ CLIENTS = {
                 "datasets==3.2.0", "einops", "loguru", "scipy", "sentencepiece", "tiktoken",
                 "transformers-stream-generator", "opencv-python-headless", "scikit-image", "openpyxl"],
                ["xtuner==0.2.0"], []),
+    # OpenRLHF 0.11.2 requires flash-attn 2.8.3 (a CUDA source build), ray, bitsandbytes and pins DeepSpeed
+    # 0.19.6: it comes without its dependencies, with the ones its DPO path imports listed here (DeepSpeed
+    # 0.19.2 as the other clients, inside zero3_frozen_recompute's range; transformers 5.15.0 its own pin);
+    # tests/clients/openrlhf_stubs/ stands in for flash_attn and for its unconditional torch.cuda calls.
+    "openrlhf": (["deepspeed==0.19.2", "transformers==5.15.0", "peft==0.21.2", "accelerate==1.15.0",
+                  "datasets==4.8.4", "einops", "sympy", "pylatexenc", "tqdm", "tensorboard"],
+                 ["openrlhf==0.11.2", "torchdata==0.11.0"], []),
     # Shapes of the seed systems' own fine-tuning scripts (no framework package: the script is
     # ours, tests/clients/<name>_*.py).  The ds0.19.2 test environment's stack: transformers 4.57
     # defaults to reentrant checkpointing and DeepSpeed 0.19.2 is inside zero3_frozen_recompute's range.
