@@ -50,12 +50,19 @@ def test_custom_loop_saves(ranks):
         ref, out, fix = (rank[k]["custom"] for k in ("reference", "without", "with"))
         for case in ("every_rank", "rank0_only", "every_rank_again"):
             assert proof.placeholders(out[case]), (case, out[case].get("shapes"))
-        for case in ("every_rank", "every_rank_again"):  # a refused lone save leaves later saves working
+        for case in ("every_rank", "every_rank_again"):  # lone saves leave later saves working
             # the reference: the same engine saved inside GatheredParameters by hand, in the same run
             assert fix[case]["sha256"] == fix["every_rank_by_hand"]["sha256"], case
-        assert not fix["rank0_only"].get("written")
-        if rank is ranks[0]:
-            assert proof.REFUSAL in fix["rank0_only"]["error"]
+        # rank 0 alone: nothing to gather with, so peft's file, as without zeroshim, and its check says so
+        assert fix["rank0_only"]["shapes"] == out["rank0_only"]["shapes"]
+        assert proof.verdicts(fix["rank0_only"]) == (["placeholders"] if rank is ranks[0] else [])
+        # OpenRLHF's save (rank 0 alone, then its own gathered adapter_model.bin over peft's file): the same
+        # whole adapter both ways, no error with zeroshim, and the check finds it replaced
+        for run in (out, fix):
+            assert "error" not in run["rank0_overwrite"], run["rank0_overwrite"]["error"]
+            assert run["rank0_overwrite"]["file"] == "adapter_model.bin"
+            assert run["rank0_overwrite"]["sha256"] == run["every_rank_by_hand"]["sha256"]
+        assert proof.verdicts(fix["rank0_overwrite"]) == (["replaced"] if rank is ranks[0] else [])
         # LoRA tensors below stage3_param_persistence_threshold are never partitioned: nothing to do
         assert out["persistent"]["sha256"] == fix["persistent"]["sha256"]
 
@@ -63,8 +70,8 @@ def test_custom_loop_saves(ranks):
 def test_status_and_action(ranks):
     for index, rank in enumerate(ranks):
         assert rank["status"]["state"] == "applied", rank["status"]
-        # two gathered saves on every rank; the lone save refused on rank 0; the Trainer's adapter
+        # two gathered saves on every rank; two lone saves on rank 0; the Trainer's adapter
         # replaced on the saving rank where transformers drops it
-        assert rank["stats"] == {"gathered": 2, "refused": 1 if index == 0 else 0,
+        assert rank["stats"] == {"gathered": 2, "alone": 2 if index == 0 else 0,
                                  "trainer_gathered": int(TRAINER_AFFECTED and index == 0)}
         assert ("wrapped" in rank["trainer_target"]) == TRAINER_AFFECTED

@@ -1,4 +1,4 @@
-"""Save peft adapters with their full tensors under ZeRO-3, or refuse loudly.
+"""Save peft adapters with their full tensors under ZeRO-3, or say loudly that they are not.
 
 Symptom
     A LoRA (any peft) adapter trained under DeepSpeed ZeRO-3 is saved without
@@ -64,19 +64,24 @@ Fix
       rank alone cannot hang in it).  If every rank of the job arrives within
       ``RENDEZVOUS_TIMEOUT_S`` (60 s) with the same parameters to gather, the
       call runs inside ``GatheredParameters(those parameters,
-      modifier_rank=None)`` and returns full tensors (copies).  Otherwise, a
-      rank saving alone (``if rank == 0: model.save_pretrained(...)``), it
-      raises ``RuntimeError`` naming the cause and the remedies instead of
-      writing placeholders: a gather on one rank would hang, and a
-      ``[0]``-shaped file is silent corruption.  A caller's own
+      modifier_rank=None)`` and returns full tensors (copies).  A caller's own
       ``state_dict=`` is never touched; nothing changes where the tensors are
       whole (ZeRO-1/2, persistent parameters, inside the caller's own gather).
-      Known limitation (read, not run): a program that calls it on rank 0
-      alone and then overwrites the file with its own gathered state dict
-      (OpenRLHF 0.11.2 ``DeepspeedStrategy.save_model``,
-      ``utils/deepspeed/deepspeed.py`` lines 552-581) works without zeroshim
-      and gets the refusal with it, after the 60 s wait; set
-      ``ZEROSHIM_ZERO3_PEFT_SAVE=off`` there.
+    * A rank saving alone (``if rank == 0: model.save_pretrained(...)``): a
+      gather on one rank would hang, so after the wait peft's own result is
+      returned and written (the placeholders, as without zeroshim), with a
+      WARNING on that rank naming the cause and the remedies; and
+      ``PeftModel.save_pretrained`` notes the directory, whose adapter file is
+      read again when the process exits (``check_lone_saves``, shapes only):
+      still placeholders -> an ERROR naming the file and the remedy; whole
+      tensors -> INFO (the program wrote its own over peft's file, as OpenRLHF
+      0.11.2 ``DeepspeedStrategy.save_model`` does, ``utils/deepspeed/
+      deepspeed.py`` lines 552-581: it gathers on every rank, calls
+      ``save_pretrained`` on rank 0 alone, then replaces the file with
+      ``adapter_model.bin``).  Such a program's files are the same with and
+      without zeroshim; its save takes ``RENDEZVOUS_TIMEOUT_S`` longer.
+      (Up to zeroshim 0.2.0 the lone call raised ``RuntimeError`` instead,
+      which made OpenRLHF's working save fail.)
     One WARNING on global rank 0 the first time a save is changed.
 
 Undo
@@ -85,17 +90,22 @@ Undo
 
 from __future__ import annotations
 
+import logging
+import os
+
 from zeroshim import _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr, require_params
 
 NAME = "zero3_peft_save"
-#: seconds a rank saving a partitioned adapter waits for the other ranks before refusing
+#: seconds a rank saving a partitioned adapter waits for the other ranks before saving alone
 RENDEZVOUS_TIMEOUT_S = 60.0
 #: what the patch did (introspection and tests): Trainer saves whose adapter was gathered,
-#: get_peft_model_state_dict calls gathered, calls refused (not every rank called)
-stats = {"trainer_gathered": 0, "gathered": 0, "refused": 0}
+#: get_peft_model_state_dict calls gathered, calls made on a rank alone (peft's placeholders returned)
+stats = {"trainer_gathered": 0, "gathered": 0, "alone": 0}
 _where: dict = {}
+_lone_calls: list = []   # per lone call: the keys it returned as placeholders
+_lone_dirs: list = []    # (directory, keys) where a lone save_pretrained wrote them, checked at exit
 _pending: dict = {}   # id(trainer) -> the gathered state dict, while its save_model runs
 
 
@@ -256,14 +266,74 @@ def _rendezvous(plan) -> "str | None":
     return None
 
 
-def _refusal(plan, why: str) -> str:
-    return (f"zeroshim[{NAME}]: refusing to save a peft adapter under DeepSpeed ZeRO-3 with {len(plan)} tensor(s) "
-            f"that are partition placeholders of shape [0] here (the file would hold no weights): gathering them "
-            f"needs every rank, but {why}.  Call model.save_pretrained(dir, is_main_process=(rank == 0)) (or "
-            "get_peft_model_state_dict) on every rank, and zeroshim gathers the tensors; or gather them yourself "
-            "on every rank with deepspeed.zero.GatheredParameters(params, modifier_rank=None); or set "
-            "stage3_gather_16bit_weights_on_model_save: true and use engine.save_16bit_model().  "
-            "ZEROSHIM_ZERO3_PEFT_SAVE=off restores peft's own behaviour.")
+def _alone_warning(plan, why: str) -> str:
+    return (f"zeroshim[{NAME}]: a peft adapter is being saved under DeepSpeed ZeRO-3 with {len(plan)} tensor(s) "
+            f"that are partition placeholders of shape [0] here, and zeroshim cannot gather them: gathering needs "
+            f"every rank, but {why}.  peft's own file is written (placeholders, no weights); zeroshim checks it "
+            "again when this process exits and logs an ERROR if it still holds placeholders then.  A program that "
+            "writes the gathered tensors over it afterwards (OpenRLHF does) needs nothing.  Otherwise call "
+            "model.save_pretrained(dir, is_main_process=(rank == 0)) (or get_peft_model_state_dict) on every rank, "
+            "and zeroshim gathers the tensors; or gather them yourself on every rank with "
+            "deepspeed.zero.GatheredParameters(params, modifier_rank=None); or set "
+            "stage3_gather_16bit_weights_on_model_save: true and use engine.save_16bit_model().")
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _placeholder_count(path: str) -> int:
+    """How many tensors of the adapter file at ``path`` hold no elements (shapes only for safetensors)."""
+    import math
+
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as handle:
+            return sum(math.prod(handle.get_slice(key).get_shape()) == 0 for key in handle.keys())
+    import torch
+
+    tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return sum(isinstance(v, torch.Tensor) and v.numel() == 0 for v in tensors.values())
+
+
+def check_lone_saves() -> list:
+    """Check the adapter files written by saves that zeroshim could not gather (a rank saving alone):
+    one verdict per directory, ``"placeholders"`` (logged at ERROR: the adapter holds no weights),
+    ``"replaced"`` (the program wrote whole tensors over peft's file) or ``"gone"`` (no adapter file
+    left there to check).  Run at process exit; each directory is checked once."""
+    verdicts = []
+    while _lone_dirs:
+        directory, keys = _lone_dirs.pop(0)
+        present = [os.path.join(directory, f) for f in ADAPTER_FILES if os.path.exists(os.path.join(directory, f))]
+        try:
+            empty = {path: _placeholder_count(path) for path in present}
+        except Exception as exc:  # unreadable file: say so, never raise at exit
+            _log.warning("zeroshim[%s]: could not read the adapter saved alone in %s to check it (%s: %s)", NAME,
+                         directory, type(exc).__name__, exc, scope=_log.EVERY)
+            verdicts.append({"directory": directory, "verdict": "unreadable"})
+            continue
+        bad = {path: n for path, n in empty.items() if n}
+        if bad:
+            verdict = "placeholders"
+            _log.emit(logging.ERROR, _log.EVERY,
+                      "zeroshim[%s]: the peft adapter saved on one rank alone in %s still holds %s ZeRO-3 placeholder "
+                      "tensor(s) of shape [0] when checked (at process exit): it has no trained weights and will not load as trained.  "
+                      "Save it on every rank (model.save_pretrained(dir, is_main_process=(rank == 0))), and zeroshim "
+                      "gathers the tensors; or gather them yourself with deepspeed.zero.GatheredParameters(params, "
+                      "modifier_rank=None) on every rank.", NAME, directory,
+                      ", ".join(f"{n} ({os.path.basename(p)})" for p, n in bad.items()))
+        elif present:
+            verdict = "replaced"
+            _log.info("zeroshim[%s]: the adapter saved alone in %s now holds whole tensors (%s): the program wrote "
+                      "its own over peft's placeholders", NAME, directory,
+                      ", ".join(os.path.basename(p) for p in present), scope=_log.EVERY)
+        else:
+            verdict = "gone"
+            _log.info("zeroshim[%s]: no adapter file is left in %s, where one was saved alone; nothing to check",
+                      NAME, directory, scope=_log.EVERY)
+        verdicts.append({"directory": directory, "verdict": verdict, "keys": len(keys),
+                         "files": {os.path.basename(p): n for p, n in empty.items()}})
+    return verdicts
 
 
 def _get_peft_model_state_dict(wrapped, instance, args, kwargs):
@@ -282,9 +352,13 @@ def _get_peft_model_state_dict(wrapped, instance, args, kwargs):
             import deepspeed
 
             gather = deepspeed.zero.GatheredParameters(plan, modifier_rank=None)
-    if why is not None:
-        stats["refused"] += 1
-        raise RuntimeError(_refusal(plan, why))
+    if why is not None:  # a rank alone: peft's own result, said loudly, and its file checked at exit
+        result = wrapped(*args, **kwargs)
+        with guard(NAME):
+            stats["alone"] += 1
+            _lone_calls.append([k for k, v in result.items() if getattr(v, "numel", lambda: 1)() == 0])
+            _log.warning("%s", _alone_warning(plan, why), scope=_log.EVERY, once=(NAME, "alone"))
+        return result
     if gather is None:  # zeroshim's own error (logged by guard): peft's behaviour
         return wrapped(*args, **kwargs)
     import torch
@@ -298,10 +372,45 @@ def _get_peft_model_state_dict(wrapped, instance, args, kwargs):
     return result
 
 
+def _save_pretrained(wrapped, instance, args, kwargs):
+    """Wraps ``PeftModel.save_pretrained(save_directory, ...)``: notes where a lone save wrote placeholders."""
+    import time
+
+    before = len(_lone_calls)
+    started = time.time()
+    result = wrapped(*args, **kwargs)
+    with guard(NAME):
+        if len(_lone_calls) > before:
+            keys = [k for call in _lone_calls[before:] for k in call]
+            directory = args[0] if args else kwargs.get("save_directory")
+            directory = os.fspath(directory)
+            found = set()
+            for root in [] if not os.path.isdir(directory) else [directory] + [os.path.join(directory, d) for d in sorted(os.listdir(directory))
+                                      if os.path.isdir(os.path.join(directory, d))]:
+                for name in ADAPTER_FILES:
+                    path = os.path.join(root, name)
+                    if os.path.exists(path) and os.path.getmtime(path) >= started - 2:
+                        found.add(root)
+            for root in sorted(found):
+                _lone_dirs.append((root, keys))
+            if found and not _where.get("atexit"):
+                import atexit
+
+                atexit.register(check_lone_saves)
+                _where["atexit"] = True
+    return result
+
+
 def patch_save_and_load(module, patcher: Patcher) -> None:
     func = require_attr(module, "get_peft_model_state_dict")
     require_params(func, "model", "state_dict", "adapter_name")
     patcher.wrap(module, "get_peft_model_state_dict", _get_peft_model_state_dict, rebind_aliases=True)
+
+
+def patch_peft_model(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "PeftModel")
+    require_params(require_attr(cls, "save_pretrained"), "save_directory")
+    patcher.wrap(cls, "save_pretrained", _save_pretrained)
 
 
 def check_config(cfg, affected: bool) -> list:
@@ -324,7 +433,9 @@ def check_config(cfg, affected: bool) -> list:
 
 def _reset() -> None:
     _pending.clear()
+    _lone_calls.clear()
     _log.forget((NAME, "acted"))
+    _log.forget((NAME, "alone"))
 
 
 PATCH = Patch(
@@ -339,8 +450,9 @@ PATCH = Patch(
     versions="HF Trainer: transformers < 5.0.0; custom loops (save_pretrained, get_peft_model_state_dict): every "
              "peft (0.21 only warns), any DeepSpeed with ZeRO-3",
     affects={"peft": "", "deepspeed": ""},
-    targets={"peft.utils.save_and_load": patch_save_and_load, "transformers.trainer": patch_trainer},
-    optional=("transformers.trainer",),
+    targets={"peft.utils.save_and_load": patch_save_and_load, "peft.peft_model": patch_peft_model,
+             "transformers.trainer": patch_trainer},
+    optional=("transformers.trainer", "peft.peft_model"),
     on_undo=_reset,
     check_config=check_config,
 )

@@ -3,13 +3,17 @@
 Proven: without zeroshim a ZeRO-3 save wrote the adapter without its weights (HF Trainer:
 no tensors, transformers < 5; custom loop: [0]-shaped placeholders), and with zeroshim,
 on every rank, the Trainer's adapter equals the ZeRO-3 16-bit-gather save bit for bit,
-the custom loop's equals the gathered save bit for bit, and a save on rank 0 alone was
-refused with zeroshim's error instead of written.
+the custom loop's equals the gathered save bit for bit; a save on rank 0 alone, which
+cannot be gathered, writes peft's file and its check reports the placeholders (ERROR);
+and OpenRLHF's save (rank 0 alone, then its own gathered file over peft's) ends with the
+same whole adapter as the gathered save, checked as replaced.
 """
 
 NAME = "zero3_peft_save"
 ARGS = ()
-REFUSAL = "zeroshim[zero3_peft_save]: refusing to save a peft adapter under DeepSpeed ZeRO-3"
+
+def verdicts(saved) -> list:
+    return [v["verdict"] for v in saved.get("check", [])]
 
 
 def empty(saved) -> bool:
@@ -50,8 +54,11 @@ def judge(ranks):
             whole(fix["trainer"]) and fix["trainer"]["sha256"] == ref["trainer"]["sha256"]
             and whole(fix["custom"]["every_rank"])
             and fix["custom"]["every_rank"]["sha256"] == fix["custom"]["every_rank_by_hand"]["sha256"]
-            and not fix["custom"]["rank0_only"].get("written")
-            and (rank is not ranks[0] or REFUSAL in fix["custom"]["rank0_only"].get("error", "")))
+            and placeholders(fix["custom"]["rank0_only"])
+            and verdicts(fix["custom"]["rank0_only"]) == (["placeholders"] if rank is ranks[0] else [])
+            and whole(fix["custom"]["rank0_overwrite"])
+            and fix["custom"]["rank0_overwrite"]["sha256"] == fix["custom"]["every_rank_by_hand"]["sha256"]
+            and verdicts(fix["custom"]["rank0_overwrite"]) == (["replaced"] if rank is ranks[0] else []))
         if rank is ranks[0]:
             said_without = (f"Trainer.save_model: {_describe(out['trainer'])}; save_pretrained on every rank: "
                             f"{_describe(out['custom']['every_rank'])}, on rank 0 alone: "
@@ -60,7 +67,10 @@ def judge(ranks):
                          f"{fix['trainer'].get('sha256') == ref['trainer'].get('sha256')}); save_pretrained on every "
                          f"rank: {_describe(fix['custom']['every_rank'])} (= gathered save: "
                          f"{fix['custom']['every_rank'].get('sha256') == fix['custom']['every_rank_by_hand'].get('sha256')}), "
-                         f"on rank 0 alone: {'refused' if REFUSAL in fix['custom']['rank0_only'].get('error', '') else _describe(fix['custom']['rank0_only'])}")
+                         f"on rank 0 alone: {_describe(fix['custom']['rank0_only'])}, checked: "
+                         f"{verdicts(fix['custom']['rank0_only'])}; OpenRLHF's save: "
+                         f"{_describe(fix['custom']['rank0_overwrite'])}, checked: "
+                         f"{verdicts(fix['custom']['rank0_overwrite'])}")
     return said_without, said_with, bool(without_bug and with_ok)
 
 

@@ -12,8 +12,13 @@
   ``trainer.save_model``; in the custom loop ``save_pretrained`` on every rank, then
   on rank 0 alone, then with the default ``stage3_param_persistence_threshold``
   (LoRA tensors that small are not partitioned: saved whole, the not-affected case);
-* ``with``: the same with zeroshim (rank 0 alone: refused with zeroshim's error; the
-  rendezvous timeout is shortened to 5 s).
+* ``with``: the same with zeroshim (the rendezvous timeout is shortened to 5 s).
+
+Both custom loops also save OpenRLHF's way (0.11.2 ``DeepspeedStrategy.save_model``, in
+shape): every rank gathers the trainable parameters, rank 0 alone calls
+``save_pretrained`` and then writes ``adapter_model.bin`` from the gathered dictionary
+and removes peft's ``adapter_model.safetensors``.  With zeroshim each lone save's file is
+checked (``check_lone_saves``, as at exit) and the verdicts are recorded.
 
 Every saved ``adapter_model.safetensors`` is read back on every rank: its tensors'
 shapes, a SHA-256 of their float32 bytes (sorted by key) and their values.
@@ -34,6 +39,7 @@ from tiny_lora import SEQ, VOCAB, batch, build_model  # noqa: E402  (after DeepS
 
 NAME = "zero3_peft_save"
 ADAPTER = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -54,16 +60,20 @@ def read_adapter(directory: str) -> dict:
     from safetensors.torch import load_file
 
     path = os.path.join(directory, ADAPTER)
-    if not os.path.exists(path):
+    if os.path.exists(path):
+        tensors = load_file(path)
+    elif os.path.exists(os.path.join(directory, ADAPTER_BIN)):
+        path = os.path.join(directory, ADAPTER_BIN)
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    else:
         return {"written": False}
-    tensors = load_file(path)
     digest = hashlib.sha256()
     values = {}
     for key in sorted(tensors):
         data = tensors[key].float().contiguous()
         digest.update(key.encode() + data.numpy().tobytes())
         values[key] = data.flatten().tolist()
-    return {"written": True, "shapes": {k: list(v.shape) for k, v in tensors.items()},
+    return {"written": True, "file": os.path.basename(path), "shapes": {k: list(v.shape) for k, v in tensors.items()},
             "sha256": digest.hexdigest(), "values": values}
 
 
@@ -141,6 +151,38 @@ def save_and_read(engine, where: str, ranks) -> dict:
     return out
 
 
+def lone_check(mode: str) -> list:
+    """With zeroshim: the verdicts on this rank's lone saves so far (what it logs at exit)."""
+    if mode != "with":
+        return []
+    from zeroshim.patches import zero3_peft_save as patch
+
+    return patch.check_lone_saves()
+
+
+def openrlhf_style_save(engine, where: str) -> dict:
+    """Every rank gathers the trainable parameters; rank 0 alone calls ``save_pretrained`` and then
+    replaces peft's file with ``adapter_model.bin`` written from the gathered dictionary (OpenRLHF
+    0.11.2 ``DeepspeedStrategy.save_model`` in shape)."""
+    from peft import get_peft_model_state_dict
+
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        full = {n: p.detach().cpu().clone() for n, p in named}
+    out = {}
+    if dist.get_rank() == 0:
+        try:
+            engine.module.save_pretrained(where)
+            torch.save(get_peft_model_state_dict(engine.module, state_dict=full), os.path.join(where, ADAPTER_BIN))
+            os.remove(os.path.join(where, ADAPTER))
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+    dist.barrier()
+    out.update(read_adapter(where))
+    dist.barrier()
+    return out
+
+
 def custom_save(mode: str) -> dict:
     """The custom loop's saves (``mode``: "reference", "without" or "with")."""
     out = {}
@@ -159,7 +201,10 @@ def custom_save(mode: str) -> dict:
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 out["every_rank_by_hand"] = save_and_read(engine, os.path.join(root, "hand"), (0, 1))
             out["rank0_only"] = save_and_read(engine, os.path.join(root, "rank0"), (0,))
-            # after a refused lone save, a save on every rank still meets and gathers
+            out["rank0_only"]["check"] = lone_check(mode)
+            out["rank0_overwrite"] = openrlhf_style_save(engine, os.path.join(root, "overwrite"))
+            out["rank0_overwrite"]["check"] = lone_check(mode)
+            # after lone saves, a save on every rank still meets and gathers
             out["every_rank_again"] = save_and_read(engine, os.path.join(root, "again"), (0, 1))
             persistent = custom_engine(threshold_zero=False)
             out["persistent"] = save_and_read(persistent, os.path.join(root, "persistent"), (0, 1))
