@@ -6,7 +6,7 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift, XTuner) and in the shapes of seed systems' own
+                            LLaMA-Factory, ms-swift, XTuner, OpenRLHF) and in the shapes of seed systems' own
                             fine-tuning scripts (MiniCPM-V, Qwen), plainly and under `zeroshim-run`
                             (CI runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
@@ -160,6 +160,12 @@ CLIENTS = {
     "qwen": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
 }
 
+# Framework -> a second DeepSpeed, installed without dependencies into a side directory of the same
+# environment (ZSCLIENT_SIDE_DEEPSPEED), for reference runs of settings that fail plainly on the
+# pinned one: OpenRLHF's LoRA runs fail plainly on 0.19.2 (zero3_mixed_dtype_gather,
+# zero3_frozen_recompute); 0.19.8 is past both bugs and past zero3_gloo_gather's race.
+CLIENT_SIDE_DEEPSPEED = {"openrlhf": "deepspeed==0.19.8"}
+
 
 @nox.session
 @nox.parametrize("framework", list(CLIENTS))
@@ -175,9 +181,16 @@ def clients(session, framework):
     for folder in strip:
         session.run("python", "-c", "import glob, os, sys, sysconfig; [os.remove(p) for p in glob.glob("
                     "os.path.join(sysconfig.get_path('purelib'), sys.argv[1], '*.so'))]", folder)
+    extra = {}
+    if framework in CLIENT_SIDE_DEEPSPEED:
+        side = os.path.join(session.virtualenv.location, "side-deepspeed")
+        session.install("--no-deps", "--upgrade", "--target", side, CLIENT_SIDE_DEEPSPEED[framework],
+                        env={"DS_BUILD_OPS": "0"})
+        extra["ZSCLIENT_SIDE_DEEPSPEED"] = side
     session.install(".")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
-    session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs, env=_env(session))
+    session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs,
+                env=_env(session, **extra))
 
 
 # DeepSpeed's own unit tests, without and with zeroshim active in every rank (tests/dsunit/run.py):

@@ -17,6 +17,25 @@ Losses are ``train/loss`` from OpenRLHF's TensorBoard log (``--logger.tensorboar
 loss all-reduced to the mean over the ranks every step, float32).  DPO's first loss is always
 ln 2 (the actor equals the reference); the later ones show whether the updates were the same.
 
+Cases (DeepSpeed 0.19.2, transformers 5.15.0, peft 0.21.2; first run 2026-11-26):
+
+* full fine-tune, without and with ``--model.gradient_checkpointing_reentrant``: train plainly; under
+  zeroshim the same losses (zero3_gloo_gather acts in every ZeRO-3 run here: the persistent
+  parameters' gather after each step; nonreentrant_checkpoint converts the actor's reentrant calls).
+* LoRA r8 on q/v: the adapters are fp32 (peft's ``autocast_adapter_dtype``), the base bf16, all
+  persistent, so the plain run fails at the first step's gather with
+  ``ProcessGroupGloo::allgather: invalid tensor type`` (zero3_mixed_dtype_gather); with OpenRLHF's
+  default non-reentrant checkpointing it fails earlier with ``CheckpointError``
+  (zero3_frozen_recompute); with reentrant checkpointing, the gather again.  Under zeroshim all three
+  train to the losses (and the adapter file) of the same LoRA run on DeepSpeed 0.19.8, past both bugs,
+  which trains plainly (a side install, noxfile ``CLIENT_SIDE_DEEPSPEED``).
+* LoRA r2048 on q/v (2048 x 64 = 131072 elements per tensor, above the persistence threshold, so
+  the adapters are partitioned): OpenRLHF's ``save_model`` gathers the state dict on every rank,
+  calls peft's ``save_pretrained`` on rank 0 alone (placeholders) and overwrites the file with the
+  gathered tensors (``adapter_model.bin``).  Plainly and under zeroshim: same losses, the same
+  ``adapter_model.bin``; zeroshim's zero3_peft_save waits 60 s for the other rank, writes peft's file,
+  warns, and at exit finds it replaced with whole tensors (INFO).
+
 What OpenRLHF 0.11.2 needs to run on a CPU-only torch (``openrlhf_stubs/``, on PYTHONPATH in both
 arms): a ``flash_attn`` package (imported at module level, used only with sample packing or ring
 attention) and ``torch.cuda.set_device``/``synchronize`` as no-ops and ``current_device`` as
@@ -79,7 +98,10 @@ def read_losses(out: Path, log: str) -> dict | None:
     if "train/loss" not in acc.Tags().get("scalars", []):
         return None
     losses = [e.value for e in acc.Scalars("train/loss")]
-    result = {"losses": losses, "acted": run.acted_from_log(log)}
+    result = {"losses": losses, "acted": run.acted_from_log(log),
+              # what zero3_peft_save said (a lone rank-0 save: its WARNING, then INFO or ERROR at exit)
+              "peft_save": [line.split("zeroshim[zero3_peft_save]: ", 1)[1][:90]
+                            for line in log.splitlines() if "zeroshim[zero3_peft_save]: " in line]}
     saved = [p for p in (out / "ckpt" / "adapter_model.bin", out / "ckpt" / "adapter_model.safetensors")
              if p.exists()]
     if saved:
@@ -100,7 +122,38 @@ def check_peft_save(case: dict, row: dict, rows: dict) -> list[str]:
             problems.append(f"{arm}: the adapter file holds {found['placeholders']} [0]-shaped placeholders")
     if all(files.values()) and files["plain"]["sha256"] != files["zeroshim"]["sha256"]:
         problems.append(f"adapter files differ: {files['zeroshim']} vs {files['plain']}")
+    said = (row["zeroshim"]["result"] or {}).get("peft_save") or []
+    if any("still holds" in line for line in said):
+        problems.append("zero3_peft_save logged that the saved adapter still holds placeholders")
     return problems
+
+
+def side_deepspeed() -> dict | None:
+    """The second DeepSpeed the session installed into a side directory (noxfile
+    ``CLIENT_SIDE_DEEPSPEED``, ``ZSCLIENT_SIDE_DEEPSPEED``), first on PYTHONPATH for the reference runs,
+    with its own JIT build directory (its CPU ops built here, up front); None where there is none."""
+    import subprocess
+    import time
+    from importlib.metadata import PathDistribution
+
+    import run
+
+    path = os.environ.get("ZSCLIENT_SIDE_DEEPSPEED")
+    if not path:
+        return None
+    found = sorted(Path(path).glob("deepspeed-*.dist-info"))
+    version = PathDistribution(found[0]).version if found else "?"
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(path) / "torch_extensions"))
+    more = {"pythonpath": [path], "TORCH_EXTENSIONS_DIR": f"{extensions}-side-deepspeed"}
+    environment = {**run.env(), "PYTHONPATH": os.pathsep.join([str(STUBS), path]),
+                   "TORCH_EXTENSIONS_DIR": more["TORCH_EXTENSIONS_DIR"]}
+    for op in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+        start = time.time()
+        subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                        f"get_accelerator().create_op_builder({op!r}).load()"],
+                       env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(f"side DeepSpeed {version}: CPU op {op} built or loaded in {time.time() - start:.1f} s", flush=True)
+    return {"version": version, "env": more}
 
 
 def cases(paths: dict, work: Path):
@@ -129,11 +182,12 @@ def cases(paths: dict, work: Path):
                     "127.0.0.1", "--master_port", str(run.free_port()), "-m", "openrlhf.cli.train_dpo", *args]
         return cmd
 
-    def env(**more):  # the stand-ins of openrlhf_stubs/ in every process
-        return {"PYTHONPATH": os.pathsep.join([str(STUBS)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-            os.pathsep) if p]), **more}
+    def env(pythonpath=(), **more):  # the stand-ins of openrlhf_stubs/ in every process
+        return {"PYTHONPATH": os.pathsep.join([str(STUBS), *pythonpath] + [
+            p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), **more}
 
     mixed_dtype = run.mixed_dtype_gather_bug()
+    side = side_deepspeed()
     full = "train_dpo, full fine-tune, ZeRO-3 (actor + reference), no checkpointing"
     yield {"name": full, "cmd": command(), "env": env(), "read": read_losses, "plain_fails_with": None,
            "same_losses_as": None}
@@ -141,8 +195,15 @@ def cases(paths: dict, work: Path):
            "cmd": command(checkpointing="reentrant"), "env": env(), "read": read_losses, "plain_fails_with": None,
            "same_losses_as": full}
     lora = "train_dpo, LoRA r8 q/v, ZeRO-3, no checkpointing"
+    if side:  # the LoRA settings fail plainly on the pinned DeepSpeed: their reference trains on the side one
+        lora_ref = f"{lora}, DeepSpeed {side['version']} (reference)"
+        yield {"name": lora_ref, "cmd": command(lora_rank=8), "env": env(**side["env"]), "read": read_losses,
+               "plain_fails_with": None, "same_losses_as": None}
     yield {"name": lora, "cmd": command(lora_rank=8), "env": env(), "read": read_losses,
-           "plain_fails_with": "invalid tensor type" if mixed_dtype else None, "same_losses_as": lora}
+           "plain_fails_with": "invalid tensor type" if mixed_dtype else None,
+           "same_losses_as": lora_ref if side else lora}
+    if side:
+        lora = lora_ref
     yield {"name": "train_dpo, LoRA r8 q/v, ZeRO-3, checkpointing (OpenRLHF's default: non-reentrant)",
            "cmd": command(lora_rank=8, checkpointing="default"), "env": env(), "read": read_losses,
            "plain_fails_with": "CheckpointError" if run.frozen_recompute_bug() else
