@@ -37,4 +37,5 @@ PATCH_MODULES = (
     "zero_auto_hidden_size",
     "zero3_mixed_dtype_gather",
     "zero3_conversion_dropped_keys",
+    "loss_without_grad",
 )

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("offload_clip_device")
 DS = _versions.installed("deepspeed")
 AFFECTED = DS is not None and _core.gate_verdict(PATCH)[0]  # the version range and the source fingerprint
+# where not affected the patch installs nothing: its launches there (nothing may change) run in one release
+INERT_ENVS = ("ds0.19.8",)
 
 
 @pytest.fixture(scope="module")

@@ -100,9 +100,16 @@ result["same_after_apply_twice"] = {n: [(o, a, v) for o, a, _, v in again[n]] ==
 result["wrapped_twice_after_apply"] = {n: wrapped_once(r, n) for n, r in again.items()}
 zeroshim.unpatch(); zeroshim.unpatch()
 restored = {}
+# where two patches wrap the same attribute (the later one's wrapper outside), what must come back is what
+# the first of them found there
+found_first = {}
+for records in first.values():
+    for owner, attr, previous, value in records:
+        found_first.setdefault((id(owner), attr), previous)
 for name, records in first.items():
     wrong = []
     for owner, attr, previous, value in records:
+        previous = found_first[(id(owner), attr)]
         if vars(owner).get(attr, _MISSING) is not (_MISSING if previous is None else previous):
             wrong.append(f"{owner!r}.{attr}")
     restored[name] = wrong

@@ -13,6 +13,7 @@ gathered at any point of backward than DeepSpeed 0.19.8 holds.
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -173,8 +174,17 @@ def test_unpatch_restores_the_originals_exactly():
 
 
 # -- HF Trainer ------------------------------------------------------------------------
+# The Trainer form depends on transformers (its checkpointing default, how it builds the engine): one release per
+# pinned transformers; ds0.16.9 pins ds0.14.1's 4.49 and peft 0.14, and the DeepSpeed side is proven in every
+# release by the scenario above.
+TRAINER_ENVS = ("ds0.14.1", "ds0.19.2", "ds0.19.8")
+
+
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
+    if os.environ.get("ZSTEST_ENV", TRAINER_ENVS[0]) not in TRAINER_ENVS:
+        pytest.skip(f"the Trainer form runs in {', '.join(TRAINER_ENVS)}: one release per pinned transformers "
+                    "(ds0.16.9 shares ds0.14.1's 4.49)")
     runs = {}
     for name, flags, extra in (("reference", ["--reference"], {}), ("without", ["--without"], {}),
                                ("zeroshim", ["--zeroshim"], {}),

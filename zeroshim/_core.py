@@ -288,13 +288,20 @@ def sync() -> None:
     ``import zeroshim`` does not pay for ``packaging``), or by :func:`status`."""
     with _lock:
         settings = _settings()
-        for name, patch in load_patches().items():
+        patches = load_patches()
+        decided = {name: settings.decide(name) for name in patches}
+        # Undo newest first: two patches may wrap the same attribute (the later one's wrapper outside the
+        # earlier one's), and each puts back only what it set itself.
+        for name, patch in reversed(list(patches.items())):
+            state = _states[name]
+            if not state.sticky and decided[name][0] == "off":
+                _undo(patch, state, DISABLED, decided[name][1])
+        for name, patch in patches.items():
             state = _states[name]
             if state.sticky:  # its target changed or it failed: stays skipped/failed
                 continue
-            mode, why = settings.decide(name)
+            mode, why = decided[name]
             if mode == "off":
-                _undo(patch, state, DISABLED, why)
                 continue
             if state.state == DISABLED or state.mode != mode:
                 state.state, state.reason = PENDING, ""
