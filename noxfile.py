@@ -6,7 +6,7 @@
     nox -s canary           the newest DeepSpeed, transformers, peft and accelerate: every patch
                             must apply to a bug that still exists or say "not affected" (not in CI)
     nox -s clients          end to end inside real training frameworks (TRL, accelerate launch,
-                            LLaMA-Factory, ms-swift, XTuner, axolotl) and in the shapes of seed systems' own
+                            LLaMA-Factory, ms-swift, XTuner, axolotl, OpenRLHF) and in the shapes of seed systems' own
                             fine-tuning scripts (MiniCPM-V, Qwen), plainly and under `zeroshim-run`
                             (CI runs the accelerate one)
     nox -s deepspeed_suite  DeepSpeed's own ZeRO unit tests at the release's tag, plainly and with
@@ -161,12 +161,25 @@ CLIENTS = {
                  "einops", "scipy", "click", "python-dotenv"],
                 ["axolotl==0.19.0", "axolotl-contribs-lgpl==0.0.7", "axolotl-contribs-mit==0.0.6",
                  "bitsandbytes==0.50.2", "triton==3.9.0"], []),
+    # OpenRLHF 0.11.2 requires flash-attn 2.8.3 (a CUDA source build), ray, bitsandbytes and pins DeepSpeed
+    # 0.19.6: it comes without its dependencies, with the ones its DPO path imports listed here (DeepSpeed
+    # 0.19.2 as the other clients, inside zero3_frozen_recompute's range; transformers 5.15.0 its own pin);
+    # tests/clients/openrlhf_stubs/ stands in for flash_attn and for its unconditional torch.cuda calls.
+    "openrlhf": (["deepspeed==0.19.2", "transformers==5.15.0", "peft==0.21.2", "accelerate==1.15.0",
+                  "datasets==4.8.4", "einops", "sympy", "pylatexenc", "tqdm", "tensorboard"],
+                 ["openrlhf==0.11.2", "torchdata==0.11.0"], []),
     # Shapes of the seed systems' own fine-tuning scripts (no framework package: the script is
     # ours, tests/clients/<name>_*.py).  The ds0.19.2 test environment's stack: transformers 4.57
     # defaults to reentrant checkpointing and DeepSpeed 0.19.2 is inside zero3_frozen_recompute's range.
     "minicpmv": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
     "qwen": (["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"], [], []),
 }
+
+# Framework -> a second DeepSpeed, installed without dependencies into a side directory of the same
+# environment (ZSCLIENT_SIDE_DEEPSPEED), for reference runs of settings that fail plainly on the
+# pinned one: OpenRLHF's LoRA runs fail plainly on 0.19.2 (zero3_mixed_dtype_gather,
+# zero3_frozen_recompute); 0.19.8 is past both bugs and past zero3_gloo_gather's race.
+CLIENT_SIDE_DEEPSPEED = {"openrlhf": "deepspeed==0.19.8"}
 
 
 @nox.session
@@ -183,9 +196,18 @@ def clients(session, framework):
     for folder in strip:
         session.run("python", "-c", "import glob, os, sys, sysconfig; [os.remove(p) for p in glob.glob("
                     "os.path.join(sysconfig.get_path('purelib'), sys.argv[1], '*.so'))]", folder)
+    extra = {}
+    if framework in CLIENT_SIDE_DEEPSPEED:
+        side = os.path.join(session.virtualenv.location, "side-deepspeed")
+        # not reinstalled when present: new file times would make its JIT ops rebuild (minutes here)
+        if not glob.glob(os.path.join(side, CLIENT_SIDE_DEEPSPEED[framework].replace("==", "-") + ".dist-info")):
+            session.install("--no-deps", "--upgrade", "--target", side, CLIENT_SIDE_DEEPSPEED[framework],
+                            env={"DS_BUILD_OPS": "0"})
+        extra["ZSCLIENT_SIDE_DEEPSPEED"] = side
     session.install(".")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
-    session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs, env=_env(session))
+    session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs,
+                env=_env(session, **extra))
 
 
 # DeepSpeed's own unit tests, without and with zeroshim active in every rank (tests/dsunit/run.py):

@@ -9,7 +9,7 @@ that bug's error.  ``minicpmv`` and ``qwen`` are no framework but the shapes of 
 own fine-tuning scripts (HF Trainer under ``torchrun``), rewritten for tiny local models
 (tests/clients/minicpmv_finetune.py, qwen_finetune.py).
 
-    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner|axolotl|minicpmv|qwen [--work DIR]
+    python tests/clients/run.py --framework trl|accelerate|llamafactory|swift|xtuner|axolotl|openrlhf|minicpmv|qwen [--work DIR]
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ def acted_from_log(log: str) -> dict:
 def frozen_recompute_bug() -> bool:
     """The installed DeepSpeed fails LoRA + ZeRO-3 + non-reentrant checkpointing (fixed in 0.19.3)."""
     return Version(version("deepspeed")) < Version("0.19.3")
+
+
+def mixed_dtype_gather_bug() -> bool:
+    """The installed DeepSpeed fails a blocking gather of bf16 base weights and fp32 LoRA adapters built
+    under ``zero.Init`` (0.19.2 only: it stopped casting ZeRO-Init modules; fixed in 0.19.3)."""
+    return Version(version("deepspeed")) == Version("0.19.2")
 
 
 def scheduler_bug() -> bool:
@@ -258,6 +264,14 @@ def axolotl_cases(paths: dict, work: Path):
     yield from ax.cases(paths, work)
 
 
+def openrlhf_cases(paths: dict, work: Path):
+    """``torchrun ... -m openrlhf.cli.train_dpo`` (OpenRLHF 0.11.2, actor and reference as two ZeRO-3
+    engines in one process): see tests/clients/openrlhf_cases.py."""
+    import openrlhf_cases as orl
+
+    yield from orl.cases(paths, work)
+
+
 def xtuner_cases(paths: dict, work: Path):
     """``xtuner train CONFIG --deepspeed ...`` (XTuner 0.2.0: mmengine + DeepSpeed 0.16.2): see
     tests/clients/xtuner_cases.py."""
@@ -407,7 +421,12 @@ def qwen_cases(paths: dict, work: Path):
 FRAMEWORKS = {"trl": ("trl", trl_cases), "accelerate": ("accelerate", accelerate_cases),
               "llamafactory": ("llamafactory", lf_cases), "swift": ("ms-swift", swift_cases),
               "xtuner": ("xtuner", xtuner_cases), "axolotl": ("axolotl", axolotl_cases),
+              "openrlhf": ("openrlhf", openrlhf_cases),
               "minicpmv": ("transformers", minicpmv_cases), "qwen": ("transformers", qwen_cases)}
+
+
+# DeepSpeed ops a framework's runs JIT-build besides the CPU comm op
+JIT_OPS = {"openrlhf": ("FusedAdamBuilder",)}
 
 
 def run_case(case: dict, work: Path) -> dict:
@@ -484,13 +503,15 @@ def main() -> int:
     paths = assets.build(work / "assets")
     stack = {n: version(n) for n in (package, "deepspeed", "transformers", "peft", "accelerate", "torch", "zeroshim")}
     print("versions: " + ", ".join(f"{k} {v}" for k, v in stack.items()), flush=True)
-    # DeepSpeed JIT-builds its CPU comm op on the first launch in an environment (about 25 s here):
+    # DeepSpeed JIT-builds its CPU comm op on the first launch in an environment (about 25 s here), and
+    # the CPU FusedAdam where a framework's config names DeepSpeed's "Adam"/"AdamW" optimizer (OpenRLHF):
     # built up front, so the first case's timing is not the build's.
-    start = time.time()
-    subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
-                    "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"],
-                   env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    print(f"DeepSpeed's CPU comm op built or loaded in {time.time() - start:.1f} s", flush=True)
+    for op in ("ShareMemCommBuilder", *JIT_OPS.get(args.framework, ())):
+        start = time.time()
+        subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                        f"get_accelerator().create_op_builder({op!r}).load()"],
+                       env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(f"DeepSpeed's CPU op {op} built or loaded in {time.time() - start:.1f} s", flush=True)
     rows, failed = {}, False
     print("| case | without zeroshim | with zeroshim | patches that acted | verdict |\n|---|---|---|---|---|")
     for case in cases(paths, work):
