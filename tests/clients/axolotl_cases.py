@@ -38,7 +38,8 @@ What a CPU changes (measured here, 2026-11-26):
   0.2.0's ``zero3_peft_save`` refused rank 1's placeholder save after its 60 s rendezvous, and the run
   exited 1 after training (rank 0's file whole: measured, 3 cases).  Since then that patch skips a lone
   placeholder write on a rank other than 0 (its scenario saves this way: the file equals the gathered
-  save); this session was not re-run after that change.  ``ACCELERATE_USE_CPU=true`` gives the right indices but
+  save); re-run with it: every zeroshim arm exits 0 with a whole adapter file, the plain run of the
+  first case left 8 of 8 placeholders.  ``ACCELERATE_USE_CPU=true`` gives the right indices but
   makes the Trainer wrap the ZeRO-3-partitioned model in DDP instead of DeepSpeed ("Padding_idx must be
   within num_embeddings" at the first forward), so it is not set.  With CUDA, accelerate takes nccl and
   the indices are right: this is a CPU-only state.
