@@ -24,8 +24,11 @@ accelerator only:
     CPU accelerator that is ``os.environ['LOCAL_RANK']``, a string such as ``'0'``, and torch raises
     "Invalid device string: '0'" (an int would mean an accelerator torch does not have either).
     Here: while that helper runs, the accelerator's ``current_device()`` answers its
-    ``current_device_name()`` (``'cpu'``), so the flags are made on the CPU and all-gathered as
-    before.
+    ``current_device_name()`` (``'cpu'``), so the flags are made on the CPU.  The helper then
+    all-gathers a 0-d flag into a ``(world_size,)`` tensor (``all_gather_into_tensor``); NCCL takes
+    that, gloo refuses it ("ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (),
+    got (1))"), so while the helper runs its ``dist.all_gather_into_tensor`` gets the flag as a
+    1-element tensor (the same values gathered, in the same order).
 
 Each adaptation that acts appends ``{"test", "fix", "pid"}`` to ``$ZS_DSUNIT_HARNESSLOG.<pid>`` (when
 set), so the report can say which tests needed which.
@@ -71,6 +74,21 @@ def _patch_ddp(mod) -> None:
     wrapt.wrap_function_wrapper(mod, "DistributedDataParallel.__init__", init)
 
 
+class _GatherFlat:
+    """deepspeed.comm, except that all_gather_into_tensor of a 0-d tensor gathers it as shape (1,)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def all_gather_into_tensor(self, output_tensor, tensor, *args, **kwargs):
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        return self._real.all_gather_into_tensor(output_tensor, tensor, *args, **kwargs)
+
+
 def _patch_common(mod) -> None:
     import wrapt
 
@@ -82,9 +100,12 @@ def _patch_common(mod) -> None:
             return wrapped(*args, **kwargs)
         _record("reduce_flags_device")
         acc.current_device = acc.current_device_name  # instance attribute, for this call only
+        real_dist = mod.dist
+        mod.dist = _GatherFlat(real_dist)  # unit.common's `deepspeed.comm as dist`, for this call only
         try:
             return wrapped(*args, **kwargs)
         finally:
+            mod.dist = real_dist
             del acc.current_device
 
     if hasattr(mod, "reduce_boolean_flags"):

@@ -220,11 +220,12 @@ def harness_fixes(folder: Path) -> dict:
 
 
 # DeepSpeed JIT-builds these C++ ops on first use (DS_BUILD_OPS=0): the CPU comm op in every
-# DistributedTest, cpu_adam in the offload tests.  Built inside a test, the build counts against
+# DistributedTest, cpu_adam in the offload tests, fused_adam (the CPU accelerator's FusedAdam) wherever
+# a test's config asks for "Adam".  Built inside a test, the build counts against
 # DeepSpeed's hang timeout (DS_UNITTEST_TIMEOUT) and took over 5 minutes on a busy 2-core machine,
 # so the first test (the probe) ended as "hanged".  Built here once, before the runs, into
 # TORCH_EXTENSIONS_DIR, where the ranks load them from.
-PREBUILT_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+PREBUILT_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder")
 
 
 def prebuild_ops(out: Path) -> None:
