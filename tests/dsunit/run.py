@@ -14,7 +14,13 @@
    accelerator with gloo), first plainly, then under ``zeroshim-run`` so every
    rank DeepSpeed's harness starts imports zeroshim first (the same start-up
    activation a user's launcher gets).  A probe test (probe_zeroshim.py) runs
-   first in both and checks that claim in the ranks themselves.
+   first in both and checks that claim in the ranks themselves.  In both runs,
+   every process also gets cpu_harness.py's adaptations of the tests' GPU-only
+   *reference* code to the CPU accelerator (the DDP reference's ``device_ids``,
+   the cross-rank comparison helper's device and 0-d all-gather), never of
+   DeepSpeed itself; the report counts the tests each one acted in
+   (``ZS_DSUNIT_CPU_HARNESS=0`` turns them off).  DeepSpeed's C++ ops that
+   the tests JIT-build are built once before the runs (``PREBUILT_OPS``).
 3. The zeroshim run re-runs every test that did not skip in the plain run (the
    skips are DeepSpeed's own environment checks: fp16 not supported on this CPU,
    more ranks than ``LOCAL_SIZE``, "CPU accelerator does not support this

@@ -4,10 +4,11 @@ DeepSpeed's harness starts included:
 
 1. cpu_harness.install(): the CPU adaptations of DeepSpeed's test references (cpu_harness.py), the
    same in both runs.  It does not import zeroshim (the probe checks that the plain ranks have none).
-2. In the zeroshim run only (``$ZS_DSUNIT_ZSLOG`` set): every process that logs on the ``zeroshim`` logger (the pytest process and
-each rank DeepSpeed's harness starts) also appends those records, with the test that was running
-(``PYTEST_CURRENT_TEST``, inherited by the ranks), to ``$ZS_DSUNIT_ZSLOG.<pid>``.  pytest-forked keeps
-the ranks' own stdout/stderr, so this is where their zeroshim lines are read from."""
+2. In the zeroshim run only (``$ZS_DSUNIT_ZSLOG`` set): every process that logs on the ``zeroshim``
+   logger (the pytest process and each rank DeepSpeed's harness starts) also appends those records,
+   with the test that was running (``PYTEST_CURRENT_TEST``, inherited by the ranks), to
+   ``$ZS_DSUNIT_ZSLOG.<pid>``.  pytest-forked keeps the ranks' own stdout/stderr, so this is where
+   their zeroshim lines are read from."""
 
 import json
 import logging
