@@ -14,7 +14,13 @@
    accelerator with gloo), first plainly, then under ``zeroshim-run`` so every
    rank DeepSpeed's harness starts imports zeroshim first (the same start-up
    activation a user's launcher gets).  A probe test (probe_zeroshim.py) runs
-   first in both and checks that claim in the ranks themselves.
+   first in both and checks that claim in the ranks themselves.  In both runs,
+   every process also gets cpu_harness.py's adaptations of the tests' GPU-only
+   *reference* code to the CPU accelerator (the DDP reference's ``device_ids``,
+   the cross-rank comparison helper's device and 0-d all-gather), never of
+   DeepSpeed itself; the report counts the tests each one acted in
+   (``ZS_DSUNIT_CPU_HARNESS=0`` turns them off).  DeepSpeed's C++ ops that
+   the tests JIT-build are built once before the runs (``PREBUILT_OPS``).
 3. The zeroshim run re-runs every test that did not skip in the plain run (the
    skips are DeepSpeed's own environment checks: fp16 not supported on this CPU,
    more ranks than ``LOCAL_SIZE``, "CPU accelerator does not support this
@@ -137,7 +143,8 @@ def base_env(out: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ZEROSHIM_") and k not in ("PYTHON_ZEROSHIM_ENV", "PYTHONPATH")}
     env.update(
-        PYTHONPATH=str(HERE),  # the zs_outcomes plugin
+        # site/sitecustomize.py (cpu_harness.py's adaptations in every process) and the zs_outcomes plugin
+        PYTHONPATH=os.pathsep.join([str(HERE / "site"), str(HERE)]),
         PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
         # DeepSpeed's CPU accelerator counts devices from LOCAL_SIZE (else NUMA nodes: 1 here);
         # 2 ranks per test, as DistributedTest's default world size.
@@ -148,10 +155,25 @@ def base_env(out: Path) -> dict:
     return env
 
 
+def shm_in_use() -> set:
+    """/dev/shm files some live process has mapped (another DeepSpeed run on this machine)."""
+    used = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue
+        used.update(re.findall(r"/dev/shm/(deepspeed_\S+)", text))
+    return used
+
+
 def clean_shm(before: set) -> None:
-    """DeepSpeed's CPU comm op leaves shared-memory buffers per launch: remove the ones this run made."""
+    """DeepSpeed's CPU comm op leaves shared-memory buffers per launch: remove the ones that appeared
+    during this run and that no live process maps (a concurrent DeepSpeed run's buffers stay: deleting
+    them made that run's ranks wait for each other's buffer until DeepSpeed's hang timeout)."""
+    used = shm_in_use()
     for name in set(os.listdir("/dev/shm")) - before if os.path.isdir("/dev/shm") else ():
-        if name.startswith("deepspeed_"):
+        if name.startswith("deepspeed_") and name not in used:
             try:
                 os.remove(os.path.join("/dev/shm", name))
             except OSError:
@@ -166,10 +188,12 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "zs_outcomes",
            "--forked", "-rfEs", *extra, *ids]
     zslog = out / f"{name}-records"
+    harnesslog = out / f"{name}-harness"
+    harnesslog.mkdir()
+    env["ZS_DSUNIT_HARNESSLOG"] = str(harnesslog / "log")
     if mode == "zeroshim":  # zeroshim-run puts its bootstrap first; it chains to site/sitecustomize.py
         zslog.mkdir()
-        env.update(ZEROSHIM_LOG_LEVEL="INFO", ZS_DSUNIT_ZSLOG=str(zslog / "log"),
-                   PYTHONPATH=os.pathsep.join([str(HERE / "site"), env["PYTHONPATH"]]))
+        env.update(ZEROSHIM_LOG_LEVEL="INFO", ZS_DSUNIT_ZSLOG=str(zslog / "log"))
         cmd = ["zeroshim-run", *cmd]
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     start = time.time()
@@ -181,8 +205,43 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
         result = json.loads((out / f"{name}.json").read_text())
     except (OSError, ValueError):
         die(f"the {name} run wrote no outcomes (exit {code}); see {out / (name + '.log')}")
-    result.update(exit=code, wall=round(wall, 1), acted=acted_lines(zslog) if mode == "zeroshim" else {})
+    result.update(exit=code, wall=round(wall, 1), acted=acted_lines(zslog) if mode == "zeroshim" else {},
+                  harness=harness_fixes(harnesslog))
     return result
+
+
+def harness_fixes(folder: Path) -> dict:
+    """cpu_harness.py's adaptations that acted, per test (from every process of the run)."""
+    fixes = {}
+    for path in sorted(folder.glob("log.*")):
+        for raw in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            names = fixes.setdefault(rec["test"] or "(outside a test)", [])
+            if rec["fix"] not in names:
+                names.append(rec["fix"])
+    return fixes
+
+
+# DeepSpeed JIT-builds these C++ ops on first use (DS_BUILD_OPS=0): the CPU comm op in every
+# DistributedTest, cpu_adam in the offload tests, fused_adam (the CPU accelerator's FusedAdam) wherever
+# a test's config asks for "Adam".  Built inside a test, the build counts against
+# DeepSpeed's hang timeout (DS_UNITTEST_TIMEOUT) and took over 5 minutes on a busy 2-core machine,
+# so the first test (the probe) ended as "hanged".  Built here once, before the runs, into
+# TORCH_EXTENSIONS_DIR, where the ranks load them from.
+PREBUILT_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder")
+
+
+def prebuild_ops(out: Path) -> None:
+    code = ("import sys\nfrom deepspeed.accelerator import get_accelerator\n"
+            "for name in sys.argv[1:]:\n    get_accelerator().create_op_builder(name).load()\n")
+    with open(out / "prebuild.log", "w") as log:
+        done = subprocess.call([sys.executable, "-c", code, *PREBUILT_OPS], env=base_env(out),
+                               stdout=log, stderr=subprocess.STDOUT)
+    if done:
+        die(f"building DeepSpeed's ops {PREBUILT_OPS} failed; see {out / 'prebuild.log'}")
 
 
 def acted_lines(folder: Path) -> dict:
@@ -257,6 +316,15 @@ def counts(result: dict) -> dict:
     return out
 
 
+def share(result: dict) -> str:
+    """Passed tests as a share of the chosen ones and of those that did not skip (the probe left out)."""
+    tests = {t: e for t, e in result["tests"].items() if not t.startswith(PROBE)}
+    ran = [e for e in tests.values() if e["outcome"] != "skipped"]
+    passed = sum(e["outcome"] == "passed" for e in ran)
+    return (f"{passed} of {len(tests)} chosen ({100 * passed / max(len(tests), 1):.0f} %), "
+            f"{passed} of {len(ran)} that did not skip ({100 * passed / max(len(ran), 1):.0f} %)")
+
+
 def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: list, history: dict) -> str:
     def line(c):
         return ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
@@ -267,7 +335,8 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
              f"- installed: {meta['versions']}",
              (f"- only: {' '.join(meta['only'])}" if meta["only"] else f"- files: {len(SUBSET)} (tests/dsunit/run.py SUBSET)")
              + f"; pytest args: {' '.join(meta['pytest_args']) or '-'}",
-             f"- plain: {line(counts(plain))} in {plain['wall']:.0f} s (pytest exit {plain['exit']})",
+             f"- plain: {line(counts(plain))} in {plain['wall']:.0f} s (pytest exit {plain['exit']}); "
+             f"passed {share(plain)}",
              f"- zeroshim ({'every test' if meta['all'] else 'the tests that did not skip plainly'}): "
              f"{line(counts(zs))} in {zs['wall']:.0f} s (pytest exit {zs['exit']})",
              f"- probe: plain ranks without zeroshim, zeroshim ranks with it: {meta['probe']}",
@@ -297,6 +366,20 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
             skips[reason] = skips.get(reason, 0) + 1
     lines += ["", "## Skipped without zeroshim, by DeepSpeed's reason", ""]
     lines += [f"- {n}: {r}" for r, n in sorted(skips.items(), key=lambda kv: -kv[1])] or ["none"]
+    lines += ["", "## CPU adaptations of the tests' references (tests/dsunit/cpu_harness.py), per test", ""]
+    for mode, result in (("without zeroshim", plain), ("with zeroshim", zs)):
+        per_fix = {}
+        for test, names in result.get("harness", {}).items():
+            for n in names:
+                per_fix.setdefault(n, []).append(test)
+        lines.append(f"- {mode}: " + (", ".join(f"{n} in {len(ts)} tests" for n, ts in sorted(per_fix.items()))
+                                      or "none acted"))
+    per_patch = {}
+    for test, msgs in zs["acted"].items():
+        for name in {m for msg in msgs for m in re.findall(r"zeroshim\[(\w+)\]", msg)}:
+            per_patch.setdefault(name, []).append(test)
+    lines += ["", "## zeroshim patches that logged acting (INFO/WARNING), tests per patch", ""]
+    lines += [f"- {n}: {len(ts)} tests" for n, ts in sorted(per_patch.items())] or ["none"]
     lines += ["", "## Where zeroshim logged that it acted (INFO/WARNING lines, per test)", ""]
     for test, msgs in sorted(zs["acted"].items()):
         lines.append(f"- `{test}`: " + " | ".join(msgs))
@@ -335,6 +418,8 @@ def main(argv=None) -> int:
     else:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
+    prebuild_ops(out)
+    if not args.reuse:
         plain = pytest_run("plain", tests_dir, [PROBE, *(args.only or SUBSET)], out, args.pytest_args)
     probe_ok = plain["tests"].get(PROBE_ID, {}).get("outcome")
     if probe_ok != "passed":
