@@ -128,6 +128,7 @@ REQUIREMENTS = {
         ("params", E, "DeepSpeedEngine._configure_optimizer", ("client_optimizer", "model_parameters")),
     ],
     "zero3_peft_save": [],
+    "loss_without_grad": [("attr", E, "DeepSpeedEngine.backward"), ("params", E, "DeepSpeedEngine.backward", ("loss",))],
     "zero_no_sync": [
         ("attr", E, "DeepSpeedEngine.zero_optimization_partition_gradients"),
         ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),
