@@ -270,7 +270,8 @@ def test_launcher_activates_every_rank_of_torchrun(tmp_path):
             cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                             "--master_addr", "127.0.0.1", "--master_port", str(port),
                             str(EXAMPLES / "checkpoint_demo.py"), "--worker", "--stage", "2", "--steps", "2"]
-            return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+            code, out, err = _launch.run_group(cmd, env=env, timeout=600, cwd=tmp_path)  # the ranks die with a timeout
+            return subprocess.CompletedProcess(cmd, code, out, err)
 
     without = torchrun([])
     if not ds_before("0.14.4"):
@@ -293,3 +294,23 @@ def test_source_fingerprints_agree_with_the_version_gates_here(name):
     verdict, reason = _core.gate_verdict(zeroshim.get_patch(name))
     assert "the source agrees" in reason, reason
     assert verdict == (EXPECTED[name] == "would apply")
+
+
+def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
+    """_launch.run_group kills the whole process group at the timeout: a rank left behind (in a collective
+    whose peer died) would otherwise spin on the CPU after the launcher is gone."""
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code, out, _ = _launch.run_group(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; echo started; wait"],
+                                     timeout=2, merge=True)
+    assert code == -1 and "started" in out
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is asynchronous: give the kernel a moment to reap
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launch's child {child} outlived the timeout")

@@ -98,6 +98,37 @@ def device_of(args) -> str:
     return "cuda" if "--device" in args[:-1] and args[args.index("--device") + 1] == "cuda" else "cpu"
 
 
+def run_group(cmd: list, *, env: "dict | None" = None, timeout: float, cwd: "str | None" = None,
+              merge: bool = False) -> "tuple":
+    """Run ``cmd`` (a launcher and its ranks) in a process group of its own; ``(returncode, stdout,
+    stderr)``, stderr merged into stdout with ``merge``.  Past ``timeout`` the whole group is killed
+    (not only the launcher: ranks left behind in a collective would spin on the CPU for good) and the
+    return code is -1, with what had been printed."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        code = -1
+    finally:
+        if proc.poll() is None:  # an interrupt (KeyboardInterrupt) while waiting: take the ranks down too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return code, out or "", err or ""
+
+
 def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = None,
            launcher: "list | None" = None, timeout: float = 900) -> dict:
     """Run scenario ``target`` (see :func:`scenario`) on ``nproc`` ranks with
@@ -114,13 +145,7 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
         cmd = list(launcher or []) + [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
-        try:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=timeout)
-            code, log = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired as exc:
-            output = exc.stdout or ""
-            code, log = -1, output.decode(errors="replace") if isinstance(output, bytes) else output
+        code, log, _ = run_group(cmd, env=env, timeout=timeout, merge=True)
     with open(os.path.join(out, "log.txt"), "w") as fh:
         fh.write(log)
     ranks = []
