@@ -302,7 +302,9 @@ def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
     import time
 
     pid_file = tmp_path / "child.pid"
-    code, out, _ = _launch.run_group(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; echo started; wait"],
+    # the child in a session of its own, as torchrun starts its ranks (so the launcher's group does not
+    # reach it), holding the output pipe
+    code, out, _ = _launch.run_group(["bash", "-c", f"setsid sleep 300 & echo $! > {pid_file}; echo started; wait"],
                                      timeout=2, merge=True)
     assert code == -1 and "started" in out
     child = int(pid_file.read_text())

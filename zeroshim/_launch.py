@@ -98,14 +98,51 @@ def device_of(args) -> str:
     return "cuda" if "--device" in args[:-1] and args[args.index("--device") + 1] == "cuda" else "cpu"
 
 
+def _descendants(pid: int) -> list:
+    """Every process below ``pid`` (read from /proc; [] where there is none)."""
+    children: dict = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc) -> None:
+    """SIGKILL a launcher, its process group and every process below it.  torchrun starts its ranks in
+    sessions of their own, so the group alone does not reach them; they are found before the launcher
+    dies (after that they belong to init)."""
+    import signal
+
+    for pid in [proc.pid] + _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_group(cmd: list, *, env: "dict | None" = None, timeout: float, cwd: "str | None" = None,
               merge: bool = False) -> "tuple":
     """Run ``cmd`` (a launcher and its ranks) in a process group of its own; ``(returncode, stdout,
-    stderr)``, stderr merged into stdout with ``merge``.  Past ``timeout`` the whole group is killed
-    (not only the launcher: ranks left behind in a collective would spin on the CPU for good) and the
-    return code is -1, with what had been printed."""
-    import signal
-
+    stderr)``, stderr merged into stdout with ``merge``.  Past ``timeout`` the launcher and every
+    process below it are killed (ranks left behind in a collective would spin on the CPU for good,
+    and hold the output pipes open) and the return code is -1, with what had been printed."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -113,18 +150,15 @@ def run_group(cmd: list, *, env: "dict | None" = None, timeout: float, cwd: "str
         out, err = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
+        _kill_tree(proc)
         code = -1
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something out of reach still holds the pipes: give up on them
+            out, err = "", ""
     finally:
         if proc.poll() is None:  # an interrupt (KeyboardInterrupt) while waiting: take the ranks down too
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_tree(proc)
             proc.wait()
     return code, out or "", err or ""
 
