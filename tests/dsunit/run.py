@@ -213,16 +213,21 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
 def harness_fixes(folder: Path) -> dict:
     """cpu_harness.py's adaptations that acted, per test (from every process of the run)."""
     fixes = {}
+    for rec in _records(folder):
+        names = fixes.setdefault(rec["test"] or "(outside a test)", [])
+        if rec["fix"] not in names:
+            names.append(rec["fix"])
+    return fixes
+
+
+def _records(folder: Path):
+    """The JSON records of every process's ``log.*`` file in ``folder`` (other lines skipped)."""
     for path in sorted(folder.glob("log.*")):
         for raw in path.read_text(errors="replace").splitlines():
             try:
-                rec = json.loads(raw)
+                yield json.loads(raw)
             except ValueError:
                 continue
-            names = fixes.setdefault(rec["test"] or "(outside a test)", [])
-            if rec["fix"] not in names:
-                names.append(rec["fix"])
-    return fixes
 
 
 # DeepSpeed JIT-builds these C++ ops on first use (DS_BUILD_OPS=0): the CPU comm op in every
@@ -249,18 +254,13 @@ def acted_lines(folder: Path) -> dict:
     per test, from every process of the zeroshim run (site/sitecustomize.py writes them), without the
     "applied" lines every process logs when DeepSpeed is imported."""
     acted = {}
-    for path in sorted(folder.glob("log.*")):
-        for raw in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            if rec["level"] == "DEBUG" or re.match(r"zeroshim: applied \w+ \(", rec["msg"]):
-                continue
-            text = f"{rec['level']} {rec['msg']}"[:300]
-            lines = acted.setdefault(rec["test"] or "(outside a test)", [])
-            if text not in lines:
-                lines.append(text)
+    for rec in _records(folder):
+        if rec["level"] == "DEBUG" or re.match(r"zeroshim: applied \w+ \(", rec["msg"]):
+            continue
+        text = f"{rec['level']} {rec['msg']}"[:300]
+        lines = acted.setdefault(rec["test"] or "(outside a test)", [])
+        if text not in lines:
+            lines.append(text)
     return acted
 
 
