@@ -68,6 +68,18 @@ def _env(session, **extra):
     return env
 
 
+# DeepSpeed's CPU comm op, built once before the tests rather than by the first test that launches ranks:
+# a launch killed at its timeout in the middle of that build leaves torch's build lock behind, and every
+# later launch then waits on it for good (torch.utils.file_baton; seen here when a timed-out launch was
+# killed).  DeepSpeed < 0.15 has no such op.
+PREBUILD_COMM_OP = ("import sys\n"
+                    "try:\n    from deepspeed.comm.torch import build_shm_op\n"
+                    "except Exception as exc:\n"
+                    "    sys.exit(print('CPU comm op not prebuilt (DeepSpeed < 0.15 has none; 0.14 imports only with zeroshim):',\n"
+                    "                   type(exc).__name__, exc))\n"
+                    "build_shm_op()\n")
+
+
 def _install_torch(session):
     if TORCH_INDEX_URL:
         session.install(TORCH, "--index-url", TORCH_INDEX_URL)
@@ -92,6 +104,7 @@ def tests(session, env):
         session.install("--no-deps", "--target", side, NUMPY2_SIDE[env])
         extra["ZSTEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
     session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *session.posargs, env=_env(session, **extra))
 
