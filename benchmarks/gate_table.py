@@ -129,6 +129,7 @@ REQUIREMENTS = {
     ],
     "zero3_peft_save": [],
     "loss_without_grad": [("attr", E, "DeepSpeedEngine.backward"), ("params", E, "DeepSpeedEngine.backward", ("loss",))],
+    "stale_build_lock": [],  # torch's build lock: no DeepSpeed target
     "zero_no_sync": [
         ("attr", E, "DeepSpeedEngine.zero_optimization_partition_gradients"),
         ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),

@@ -38,4 +38,5 @@ PATCH_MODULES = (
     "zero3_mixed_dtype_gather",
     "zero3_conversion_dropped_keys",
     "loss_without_grad",
+    "stale_build_lock",
 )
