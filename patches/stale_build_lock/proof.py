@@ -10,7 +10,7 @@ import os
 from zeroshim._prove import ranks_of
 
 NAME = "stale_build_lock"
-HANG_S = "15"
+HANG_S = "10"
 
 
 def judge(runs):

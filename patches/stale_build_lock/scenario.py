@@ -12,7 +12,8 @@ would load the op at once).  Runs (per rank):
 * ``stale`` launch, ``without``: no zeroshim: still waiting after ``--hang`` seconds, inside
   torch's ``FileBaton.wait`` (the build is left waiting in a daemon thread);
 * ``stale`` launch, ``with``: zeroshim, a folder of its own: the stale lock is removed once (by
-  one rank), the op is built and loads on every rank;
+  one rank), the op is built and loads on every rank (``--built-from``: the folder holds a
+  finished build under the lock, so the rebuild only checks the objects);
 * ``held`` launch (after ``stale``, with the same ``--extensions``): zeroshim; a live process holds the
   lock, dated an hour back (a long build): waited on, never removed; the op loads after.  The
   holder is a process that holds the lock open for ``HOLD_S`` seconds over the ``stale`` launch's
@@ -22,6 +23,7 @@ would load the op at once).  Runs (per rank):
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -42,10 +44,13 @@ def builder():
     return get_accelerator().create_op_builder(OP)
 
 
-def leave_lock(root: str) -> None:
+def leave_lock(root: str, built: "str | None" = None) -> None:
     """The lock of the op's build folder under ``root`` as a killed build leaves it: a file nobody
-    holds, created an hour ago."""
+    holds, created an hour ago.  ``built``: a folder where the op is built, copied there first (the
+    rebuild then finds every object up to date; without it, it compiles them all)."""
     folder = os.path.join(root, builder().name)  # torch builds into TORCH_EXTENSIONS_DIR/<name>
+    if built:
+        shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "lock.*"))
     os.makedirs(folder, exist_ok=True)
     lock = os.path.join(folder, "lock")
     open(lock, "w").close()
@@ -123,6 +128,9 @@ def main():
                         help="stale: without zeroshim, then with it; held: with zeroshim, a build in progress")
     parser.add_argument("--extensions", help="the folder of the runs' build folders (default: <out>/extensions); "
                                              "the held launch with --holder process needs the stale launch's")
+    parser.add_argument("--built-from", help="stale: a folder where the op is built (the environment's), copied "
+                                             "under the lock of the run with zeroshim, so that its rebuild finds "
+                                             "the objects up to date (default: an empty folder, a full build)")
     parser.add_argument("--holder", choices=["process", "build"], default="process",
                         help="held: what holds the lock (see held())")
     parser.add_argument("--hang", type=float, default=15, help="seconds after which the run without zeroshim "
@@ -150,9 +158,10 @@ def main():
         zeroshim = enable_zeroshim()
         results["status"] = zeroshim.status()["stale_build_lock"].as_dict()
         if rank == 0:
-            leave_lock(root["with"])
+            leave_lock(root["with"], built=args.built_from)
         dist.barrier()
         results["with"] = build(root["with"], 900)
+        results["with"]["built_from"] = args.built_from
         results["with"]["stats"] = dict(zeroshim.stats("stale_build_lock"))
     else:
         zeroshim = enable_zeroshim()
