@@ -162,15 +162,23 @@ def lone_check(mode: str) -> list:
     return patch.check_lone_saves()
 
 
+def gathered_trainable(engine, every_rank: bool) -> "dict | None":
+    """The trainable parameters, whole (gathered on every rank, a collective), as a CPU dictionary on
+    every rank (``every_rank``) or on rank 0 only (None elsewhere): what a framework's own save gathers."""
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        if every_rank or dist.get_rank() == 0:
+            return {n: p.detach().cpu().clone() for n, p in named}
+    return None
+
+
 def openrlhf_style_save(engine, where: str) -> dict:
     """Every rank gathers the trainable parameters; rank 0 alone calls ``save_pretrained`` and then
     replaces peft's file with ``adapter_model.bin`` written from the gathered dictionary (OpenRLHF
     0.11.2 ``DeepspeedStrategy.save_model`` in shape)."""
     from peft import get_peft_model_state_dict
 
-    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-        full = {n: p.detach().cpu().clone() for n, p in named}
+    full = gathered_trainable(engine, every_rank=True)
     out = {}
     if dist.get_rank() == 0:
         try:
@@ -189,9 +197,7 @@ def both_main_save(engine, where: str) -> dict:
     """What HF Trainer (transformers >= 5) does where every rank believes it is the main process
     (axolotl / accelerate on a CPU): every rank gathers the trainable parameters, rank 0 gets them
     and the others None, and every rank calls ``save_pretrained(dir, state_dict=...)``."""
-    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-        full = {n: p.detach().cpu().clone() for n, p in named} if dist.get_rank() == 0 else None
+    full = gathered_trainable(engine, every_rank=False)
     out = {}
     try:
         engine.module.save_pretrained(where, state_dict=full)
