@@ -15,6 +15,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -61,6 +62,34 @@ def remove_shm_buffers(port: int) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+def shm_in_use() -> set:
+    """Names of the ``/dev/shm/deepspeed_*`` files some live process of this host has mapped (read from
+    ``/proc/<pid>/maps``): another DeepSpeed run's buffers."""
+    used = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps, errors="replace") as fh:
+                used.update(re.findall(r"/dev/shm/(deepspeed_\S+)", fh.read()))
+        except OSError:
+            continue
+    return used
+
+
+def remove_new_shm_buffers(before: set) -> None:
+    """Delete the ``/dev/shm/deepspeed_*`` buffers that appeared since ``before`` (names listed then) and
+    that no live process maps: a launch's own leftovers (see :func:`remove_shm_buffers`), never those of a
+    run still going beside it (deleting them left that run's ranks waiting for each other's buffer)."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    used = shm_in_use()
+    for name in set(os.listdir("/dev/shm")) - set(before):
+        if name.startswith("deepspeed_") and name not in used:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ def launch(cmd: list[str], extra_env: dict, with_zeroshim: bool, log: Path, moni
     if with_zeroshim:  # and its INFO lines on stderr: which patches applied and acted
         cmd = ["zeroshim-run", *cmd]
         extra_env = {**extra_env, "ZEROSHIM_LOG_LEVEL": "INFO"}
-    before = set(Path("/dev/shm").glob("deepspeed_*"))
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     start = time.time()
     proc = subprocess.Popen(cmd, env={**env(), **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=log.parent)
@@ -75,9 +75,10 @@ def launch(cmd: list[str], extra_env: dict, with_zeroshim: bool, log: Path, moni
     seconds = time.time() - start
     log.write_text(stdout)
     # DeepSpeed's CPU comm op leaves a 66 MiB all-reduce buffer per rank and launch (deepspeedai/DeepSpeed#4115):
-    # delete this launch's, never another job's.
-    for path in set(Path("/dev/shm").glob("deepspeed_*")) - before:
-        path.unlink(missing_ok=True)
+    # delete this launch's, never a live job's (a concurrent run's new buffers are mapped)
+    from zeroshim import _launch  # installed in every client environment (zeroshim-run)
+
+    _launch.remove_new_shm_buffers(before)
     return proc.returncode, stdout, seconds
 
 

@@ -155,29 +155,13 @@ def base_env(out: Path) -> dict:
     return env
 
 
-def shm_in_use() -> set:
-    """/dev/shm files some live process has mapped (another DeepSpeed run on this machine)."""
-    used = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text(errors="replace")
-        except OSError:
-            continue
-        used.update(re.findall(r"/dev/shm/(deepspeed_\S+)", text))
-    return used
-
-
 def clean_shm(before: set) -> None:
     """DeepSpeed's CPU comm op leaves shared-memory buffers per launch: remove the ones that appeared
     during this run and that no live process maps (a concurrent DeepSpeed run's buffers stay: deleting
     them made that run's ranks wait for each other's buffer until DeepSpeed's hang timeout)."""
-    used = shm_in_use()
-    for name in set(os.listdir("/dev/shm")) - before if os.path.isdir("/dev/shm") else ():
-        if name.startswith("deepspeed_") and name not in used:
-            try:
-                os.remove(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
+    from zeroshim import _launch  # installed in the suite's environment (the zeroshim run needs it)
+
+    _launch.remove_new_shm_buffers(before)
 
 
 def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: list[str], name: str = "") -> dict:
