@@ -33,5 +33,5 @@ def judge(runs):
 def prove(launch, out, nproc, device):
     if nproc < 2:
         raise Unproven("needs 2 ranks or more (ranks that route to different experts)")
-    return judge({mode: ranks_of(launch(NAME, 2, os.path.join(out, mode), "--mode", mode, "--timeout", timeout))
+    return judge({mode: ranks_of(launch(NAME, nproc, os.path.join(out, mode), "--mode", mode, "--timeout", timeout))
                   for mode, timeout in (("without", "30"), ("with", "120"))})
