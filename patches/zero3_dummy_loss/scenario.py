@@ -216,11 +216,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--zeros", default=",".join(ZEROS), help="the spellings of zero to run (comma-separated)")
+    parser.add_argument("--forms", default=",".join(FORMS), help="the further forms of the term to run "
+                                                                 "(comma-separated; '' for none)")
+    parser.add_argument("--untouched-stages", default="0,2", help="the ZeRO stages below 3 whose runs must be "
+                                                                   "left untouched (comma-separated; '' for none)")
     args = parser.parse_args()
     zeros = [z for z in args.zeros.split(",") if z]
-    unknown = set(zeros) - set(ZEROS)
-    if unknown:
-        parser.error(f"unknown --zeros {sorted(unknown)}; valid: {', '.join(ZEROS)}")
+    forms = [f for f in args.forms.split(",") if f]
+    stages = [int(z) for z in args.untouched_stages.split(",") if z]
+    for given, valid, flag in ((zeros, ZEROS, "--zeros"), (forms, FORMS, "--forms")):
+        unknown = set(given) - set(valid)
+        if unknown:
+            parser.error(f"unknown {flag} {sorted(unknown)}; valid: {', '.join(valid)}")
+    if set(stages) - {0, 1, 2}:
+        parser.error("--untouched-stages takes stages 0, 1 and 2")
     init_distributed()
     out, results = args.out, {"versions": versions()}
     for used in ("used", "unused"):
@@ -228,10 +237,10 @@ def main():
     for placement in PLACEMENTS:
         for zero in zeros:
             results[f"without/{placement}/{zero}"] = attempt(train, 3, placement, zero)
-    for stage in (0, 2):
+    for stage in stages:
         results[f"z{stage}/without"] = attempt(train, stage, "unused_outside", "0.0")
     results["whole_loss_zero/without"] = attempt(train_whole_loss_zero, 3)
-    for form in FORMS:
+    for form in forms:
         results[f"form/without/{form}"] = attempt(train_form, form)
     results["default/reference"] = attempt(train_default_threshold, False)
     results["default/without"] = attempt(train_default_threshold, True)
@@ -247,7 +256,7 @@ def main():
             run = attempt(train, 3, placement, zero)
             run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
             results[f"with/{placement}/{zero}"] = run
-    for stage in (0, 2):
+    for stage in stages:
         before = zeroshim.stats("zero3_dummy_loss")["stripped"]
         run = attempt(train, stage, "unused_outside", "0.0")
         run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
@@ -256,7 +265,7 @@ def main():
     run = attempt(train_whole_loss_zero, 3)
     run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
     results["whole_loss_zero/with"] = run
-    for form in FORMS:
+    for form in forms:
         before, nan_before = zeroshim.stats("zero3_dummy_loss")["stripped"], zeroshim.stats("zero3_dummy_loss").get("nan_loss_seen", 0)
         run = attempt(train_form, form)
         run["stripped"] = zeroshim.stats("zero3_dummy_loss")["stripped"] - before
