@@ -88,7 +88,7 @@ NAME = "stale_build_lock"
 MIN_AGE_S = 120.0
 #: filesystems on which every process that could hold a lock is on this host
 LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "ramfs"})
-#: removed: stale locks this process moved aside; rebuilt: _jit_compile calls run again after that;
+#: removed: stale locks this process removed; rebuilt: _jit_compile calls run again after one was removed;
 #: unsure: waits on a lock zeroshim could not judge (warned)
 stats = {"removed": 0, "rebuilt": 0, "unsure": 0}
 _inside = threading.local()
@@ -98,7 +98,8 @@ _MISSING = object()
 
 
 class _Rebuild(Exception):
-    """Raised by the wait wrapper after a stale lock was moved aside: ``_jit_compile`` runs again."""
+    """Raised by the wait wrapper after a stale lock was removed (here or by another waiter): ``_jit_compile``
+    runs again."""
 
 
 def holders(path: str) -> "tuple":
@@ -168,7 +169,7 @@ def _identity(path: str):
     return st.st_ino, st.st_dev, st.st_ctime_ns
 
 
-def _take_aside(path: str, seen) -> str:
+def _remove_if_stale(path: str, seen) -> str:
     """Remove the lock at ``path`` if it is still the file judged stale (same inode and change time) and
     still judged stale, under an advisory ``flock`` on ``<path>.zeroshim`` (released by the kernel if this
     process dies) so that of several waiters exactly one removes it and none removes a lock created after:
@@ -232,7 +233,7 @@ def _wait(wrapped, instance, args, kwargs):
             if first_stale != seen:
                 first_stale = seen  # judge again a second later before acting (and rebuild if it goes away)
                 continue
-            taken = _take_aside(path, seen)
+            taken = _remove_if_stale(path, seen)
             if taken == "changed":
                 first_stale = None
                 continue
