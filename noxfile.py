@@ -175,8 +175,9 @@ CLIENTS = {
                 ["axolotl==0.19.0", "axolotl-contribs-lgpl==0.0.7", "axolotl-contribs-mit==0.0.6",
                  "bitsandbytes==0.50.2", "triton==3.9.0"], []),
     # OpenRLHF 0.11.2 requires flash-attn 2.8.3 (a CUDA source build), ray, bitsandbytes and pins DeepSpeed
-    # 0.19.6: it comes without its dependencies, with the ones its DPO path imports listed here (DeepSpeed
-    # 0.19.2 as the other clients, inside zero3_frozen_recompute's range; transformers 5.15.0 its own pin);
+    # 0.19.6: it comes without its dependencies, with the ones its DPO and reward-model paths import listed
+    # here (DeepSpeed 0.19.2 as the other clients, inside zero3_frozen_recompute's range; transformers 5.15.0
+    # its own pin);
     # tests/clients/openrlhf_stubs/ stands in for flash_attn and for its unconditional torch.cuda calls.
     "openrlhf": (["deepspeed==0.19.2", "transformers==5.15.0", "peft==0.21.2", "accelerate==1.15.0",
                   "datasets==4.8.4", "einops", "sympy", "pylatexenc", "tqdm", "tensorboard"],

@@ -41,6 +41,29 @@ arms): a ``flash_attn`` package (imported at module level, used only with sample
 attention) and ``torch.cuda.set_device``/``synchronize`` as no-ops and ``current_device`` as
 ``"cpu"`` (called unconditionally; see ``openrlhf_stubs/sitecustomize.py``).  bf16 is the only
 dtype: ``--ds.param_dtype`` accepts bf16 or fp16 and DeepSpeed's CPU accelerator refuses fp16 here.
+
+Reward-model training, ``torchrun ... -m openrlhf.cli.train_rm`` (one ZeRO-3 training engine: the base
+model with OpenRLHF's value head ``score``, initialised under ``GatheredParameters``; the pairwise
+loss on the same preference rows; losses from ``train/loss``, bf16 values), first run 2026-11-26:
+
+* full fine-tune: trains plainly; under zeroshim the same losses (zero3_gloo_gather acts).
+* LoRA r8 on q/v: fails plainly at the first step's gather with ``ProcessGroupGloo::allgather:
+  invalid tensor type`` (zero3_mixed_dtype_gather); with OpenRLHF's default non-reentrant
+  checkpointing with ``CheckpointError`` first (zero3_frozen_recompute).  Under zeroshim both train
+  to the losses of the same run on DeepSpeed 0.19.8 (the side install), which trains plainly, and save
+  the same ``adapter_model.bin`` as it (first run: 0.6914, 0.6914, 0.6934, 0.6973).
+
+``train_rm`` is given ``--eval.dataset`` (the same file): without one it evaluates on 1 % of the
+training rows, here ``int(8 * 0.01) == 0`` rows, and ``RewardDataset`` fails on the empty set
+(``ValueError: Column 'prompt' doesn't exist.``), plainly and under zeroshim alike.
+
+Not covered: PPO (``openrlhf.cli.train_ppo_ray``).  In 0.11.2 it imports vllm at module level and
+generates only through vLLM engines (``SamplesGenerator._dispatch_prompts_to_vllm``; with
+``--vllm.num_engines 0`` it stops at ``IndexError: index out of range`` on the empty engine list),
+vLLM's PyPI wheel is a CUDA build (its ops link ``libcudart``/``libtorch_cuda``), and the replay
+buffer puts experiences on ``torch.device(f"cuda:{torch.cuda.current_device()}")``.  With Ray
+started with declared GPUs (``ray start --head --num-gpus 2``) and an import stand-in for vllm, its
+actor, reference, reward and critic models do start as ZeRO-3 engines on 2 CPU ranks each.
 """
 
 from __future__ import annotations
@@ -217,3 +240,46 @@ def cases(paths: dict, work: Path):
     yield {"name": "train_dpo, LoRA r2048 q/v (partitioned adapters), ZeRO-3, rank-0 save_pretrained",
            "cmd": command(lora_rank=2048), "env": env(), "read": read_losses, "plain_fails_with": None,
            "same_losses_as": None, "check": check_peft_save}
+    yield from rm_cases(paths, extra, env, side, mixed_dtype)
+
+
+def rm_cases(paths: dict, extra: dict, env, side: dict | None, mixed_dtype: bool):
+    """``torchrun ... -m openrlhf.cli.train_rm``: a reward model (one ZeRO-3 training engine) on the
+    DPO cases' preference rows."""
+    import run
+
+    def command(lora_rank=0, checkpointing=None):
+        def cmd(out):
+            args = ["--model.model_name_or_path", paths["model"], "--data.dataset", extra["data"],
+                    # without an eval set train_rm takes 1 % of 8 rows, 0, and fails (module docstring)
+                    "--eval.dataset", extra["data"],
+                    "--data.prompt_key", "prompt", "--data.chosen_key", "chosen", "--data.rejected_key", "rejected",
+                    "--data.max_len", "64", "--data.max_samples", "8", "--train.micro_batch_size", "1",
+                    "--train.batch_size", "2", "--train.max_epochs", "1", "--ds.zero_stage", "3",
+                    "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager", "--adam.lr", "1e-3",
+                    "--train.seed", "0", "--max_norm", "1.0", "--lr_scheduler", "constant",
+                    "--logger.tensorboard_dir", str(out / "tb"), "--ckpt.output_dir", str(out / "ckpt"),
+                    "--ckpt.path", str(out / "ckpt" / "checkpoints_rm")]
+            if lora_rank:
+                args += ["--ds.lora.rank", str(lora_rank), "--ds.lora.alpha", "16",
+                         "--ds.lora.target_modules", "q_proj", "v_proj"]
+            if checkpointing:
+                args.append("--model.gradient_checkpointing_enable")
+            return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                    "127.0.0.1", "--master_port", str(run.free_port()), "-m", "openrlhf.cli.train_rm", *args]
+        return cmd
+
+    yield {"name": "train_rm, full fine-tune, ZeRO-3, no checkpointing", "cmd": command(), "env": env(),
+           "read": read_losses, "plain_fails_with": None, "same_losses_as": None}
+    lora = "train_rm, LoRA r8 q/v, ZeRO-3, no checkpointing"
+    reference = lora
+    if side:
+        reference = f"{lora}, DeepSpeed {side['version']} (reference)"
+        yield {"name": reference, "cmd": command(lora_rank=8), "env": env(**side["env"]), "read": read_losses,
+               "plain_fails_with": None, "same_losses_as": None}
+    yield {"name": lora, "cmd": command(lora_rank=8), "env": env(), "read": read_losses,
+           "plain_fails_with": "invalid tensor type" if mixed_dtype else None, "same_losses_as": reference}
+    yield {"name": "train_rm, LoRA r8 q/v, ZeRO-3, checkpointing (OpenRLHF's default: non-reentrant)",
+           "cmd": command(lora_rank=8, checkpointing="default"), "env": env(), "read": read_losses,
+           "plain_fails_with": "CheckpointError" if run.frozen_recompute_bug() else
+           "invalid tensor type" if mixed_dtype else None, "same_losses_as": reference}

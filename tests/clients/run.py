@@ -267,7 +267,8 @@ def axolotl_cases(paths: dict, work: Path):
 
 def openrlhf_cases(paths: dict, work: Path):
     """``torchrun ... -m openrlhf.cli.train_dpo`` (OpenRLHF 0.11.2, actor and reference as two ZeRO-3
-    engines in one process): see tests/clients/openrlhf_cases.py."""
+    engines in one process) and ``-m openrlhf.cli.train_rm`` (a reward model, one ZeRO-3 engine): see
+    tests/clients/openrlhf_cases.py."""
     import openrlhf_cases as orl
 
     yield from orl.cases(paths, work)
