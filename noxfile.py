@@ -110,6 +110,16 @@ def tests(session, env):
 
 
 @nox.session
+def bench(session):
+    """The benchmark scripts' smoke runs (tests/test_benchmarks.py, marker ``bench``) in the newest
+    environment; before a release (not in CI: about 3 minutes)."""
+    _install(session, DEMO_ENV)
+    session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
+    session.run("pytest", "-p", "no:cacheprovider", "--durations=10", "tests/test_benchmarks.py", *session.posargs,
+                env=_env(session, ZSTEST_ENV=DEMO_ENV, ZSTEST_BENCH="1"))
+
+
+@nox.session
 def demo(session):
     """`zeroshim prove` in the newest environment: every patch that applies there, reproduced on
     2 CPU ranks without zeroshim and with it, as a table (posargs go to `zeroshim prove`)."""

@@ -25,8 +25,13 @@ def pytest_collection_modifyitems(config, items):
     env = os.environ.get("ZSTEST_ENV")
     if env is not None:
         once = pytest.mark.skip(reason=f"does not depend on the DeepSpeed release: runs once, in {ONCE_ENV}")
+        bench = os.environ.get("ZSTEST_BENCH") == "1"
         for item in items:
-            if "once" in item.keywords and env != ONCE_ENV:
+            if ("bench" in item.keywords) != bench:
+                # the benchmark smokes run in `nox -s bench` (ZSTEST_BENCH=1, which runs nothing else)
+                item.add_marker(pytest.mark.skip(reason="benchmark smokes run in `nox -s bench`" if not bench
+                                                 else "`nox -s bench` runs the benchmark smokes only"))
+            elif "once" in item.keywords and env != ONCE_ENV:
                 item.add_marker(once)
             elif "deepspeed" in item.keywords and getattr(item.module, "ENVS", None) and env not in item.module.ENVS:
                 # a module that names the releases its launches prove (ENVS, with ENVS_REASON): the others skip them

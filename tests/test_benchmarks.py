@@ -1,7 +1,9 @@
 """The benchmark scripts in smoke mode (tiny sizes): they must keep running.
 No timing is asserted here; the numbers live in benchmarks/RESULTS.md.  The
 drivers do not depend on the DeepSpeed release (their numbers were taken on the
-newest): they run once in the matrix (marker ``once``)."""
+newest): they run once in the matrix (marker ``once``), and the smokes (marker
+``bench``) in `nox -s bench`, before a release (about 3 minutes, which CI's
+time limit does not leave).  The gate table runs in `nox -s tests`."""
 
 import subprocess
 import sys
@@ -22,10 +24,12 @@ def run(*cmd, **env):
     return proc.stdout
 
 
+@pytest.mark.bench
 def test_dummy_loss_walk_smoke():
     assert "walk / backward" in run(str(BENCH / "dummy_loss_walk.py"), "--smoke")
 
 
+@pytest.mark.bench
 def test_dummy_loss_walk_llama_smoke():
     """The realistic-graph mode: a ZeRO-3 engine over a Llama with checkpointing; the dummy
     term must be found and cut in every step of phase 1."""
@@ -34,6 +38,7 @@ def test_dummy_loss_walk_llama_smoke():
     assert "terms cut per step: 1" in out and "step on/off" in out, out
 
 
+@pytest.mark.bench
 def test_epoch_memory_smoke():
     out = run(str(BENCH / "epoch_memory.py"), "--compare", "--smoke")  # the driver launches torchrun itself
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| config")]
@@ -41,12 +46,14 @@ def test_epoch_memory_smoke():
     assert all(r.endswith("| same as none |") for r in rows), out  # losses identical
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(ds_before("0.14.4"), reason="the 'without zeroshim' arm cannot import this DeepSpeed")
 def test_overhead_smoke():
     out = run(str(BENCH / "overhead.py"), "--smoke")
     assert "import zeroshim" in out and "ZeRO-3 |" in out
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(ds_before("0.14.4"), reason="the configurations without zeroshim cannot import this DeepSpeed")
 def test_lora_memory_smoke():
     out = run(str(BENCH / "lora_memory.py"), "--smoke")
@@ -81,6 +88,7 @@ def test_gate_table_on_the_installed_deepspeed(tmp_path):
     assert rows["zero3_dummy_loss"] == "A" and "T" not in rows.values() and "!" not in "".join(rows.values()), out
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(ds_before("0.14.4"), reason="this DeepSpeed cannot be imported without zeroshim")
 def test_moe_leaf_memory_smoke():
     out = run(str(BENCH / "moe_leaf_memory.py"), "--smoke")
@@ -89,6 +97,7 @@ def test_moe_leaf_memory_smoke():
     assert int(rows[0][2].replace(",", "")) > 4 * int(rows[0][1].replace(",", "")), out  # the leaf gathers all experts
 
 
+@pytest.mark.bench
 def test_attribution_smoke():
     """zeroshim's own time per step in benchmark mode (ZEROSHIM_TIMING=1): the acting workload must
     show the two patches that act there, and a share below 100 %."""
