@@ -179,31 +179,41 @@ def side_deepspeed() -> dict | None:
     return {"version": version, "env": more}
 
 
+def command(entry: str, model_args: list, data: str, ckpt: str, lora_rank: int = 0, checkpointing=None):
+    """The user's torchrun command of ``openrlhf.cli.<entry>`` (2 ranks, ZeRO-3, bf16, 4 steps on the
+    preference rows ``data``; ``model_args``: the entry's own model and data arguments; ``ckpt``: its
+    checkpoint folder's name): a function of the case's output folder.  ``checkpointing``: None, "default"
+    (OpenRLHF's, non-reentrant) or "reentrant"."""
+    import run
+
+    def cmd(out):
+        args = [*model_args, "--data.dataset", data, "--data.prompt_key", "prompt", "--data.chosen_key", "chosen",
+                "--data.rejected_key", "rejected", "--data.max_len", "64", "--data.max_samples", "8",
+                "--train.micro_batch_size", "1", "--train.batch_size", "2", "--train.max_epochs", "1",
+                "--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager",
+                "--adam.lr", "1e-3", "--train.seed", "0", "--max_norm", "1.0", "--lr_scheduler", "constant",
+                "--logger.tensorboard_dir", str(out / "tb"), "--ckpt.output_dir", str(out / "ckpt"),
+                "--ckpt.path", str(out / "ckpt" / ckpt)]
+        if lora_rank:
+            args += ["--ds.lora.rank", str(lora_rank), "--ds.lora.alpha", "16",
+                     "--ds.lora.target_modules", "q_proj", "v_proj"]
+        if checkpointing:
+            args.append("--model.gradient_checkpointing_enable")
+            if checkpointing == "reentrant":
+                args.append("--model.gradient_checkpointing_reentrant")
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                "127.0.0.1", "--master_port", str(run.free_port()), "-m", f"openrlhf.cli.{entry}", *args]
+    return cmd
+
+
 def cases(paths: dict, work: Path):
     import run
 
     extra = build(work / "openrlhf_assets")
 
-    def command(lora_rank=0, checkpointing=None):
-        def cmd(out):
-            args = ["--model.model_name_or_path", paths["model"], "--ref.model_name_or_path", paths["model"],
-                    "--data.dataset", extra["data"], "--data.prompt_key", "prompt", "--data.chosen_key", "chosen",
-                    "--data.rejected_key", "rejected", "--data.max_len", "64", "--data.max_samples", "8",
-                    "--train.micro_batch_size", "1", "--train.batch_size", "2", "--train.max_epochs", "1",
-                    "--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager",
-                    "--adam.lr", "1e-3", "--train.seed", "0", "--max_norm", "1.0", "--lr_scheduler", "constant",
-                    "--logger.tensorboard_dir", str(out / "tb"), "--ckpt.output_dir", str(out / "ckpt"),
-                    "--ckpt.path", str(out / "ckpt" / "checkpoints_dpo")]
-            if lora_rank:
-                args += ["--ds.lora.rank", str(lora_rank), "--ds.lora.alpha", "16",
-                         "--ds.lora.target_modules", "q_proj", "v_proj"]
-            if checkpointing:
-                args.append("--model.gradient_checkpointing_enable")
-                if checkpointing == "reentrant":
-                    args.append("--model.gradient_checkpointing_reentrant")
-            return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                    "127.0.0.1", "--master_port", str(run.free_port()), "-m", "openrlhf.cli.train_dpo", *args]
-        return cmd
+    def dpo(lora_rank=0, checkpointing=None):
+        return command("train_dpo", ["--model.model_name_or_path", paths["model"], "--ref.model_name_or_path",
+                                     paths["model"]], extra["data"], "checkpoints_dpo", lora_rank, checkpointing)
 
     def env(pythonpath=(), **more):  # the stand-ins of openrlhf_stubs/ in every process
         return {"PYTHONPATH": os.pathsep.join([str(STUBS), *pythonpath] + [
@@ -212,33 +222,33 @@ def cases(paths: dict, work: Path):
     mixed_dtype = run.mixed_dtype_gather_bug()
     side = side_deepspeed()
     full = "train_dpo, full fine-tune, ZeRO-3 (actor + reference), no checkpointing"
-    yield {"name": full, "cmd": command(), "env": env(), "read": read_losses, "plain_fails_with": None,
+    yield {"name": full, "cmd": dpo(), "env": env(), "read": read_losses, "plain_fails_with": None,
            "same_losses_as": None}
     yield {"name": "train_dpo, full fine-tune, ZeRO-3, --model.gradient_checkpointing_reentrant",
-           "cmd": command(checkpointing="reentrant"), "env": env(), "read": read_losses, "plain_fails_with": None,
+           "cmd": dpo(checkpointing="reentrant"), "env": env(), "read": read_losses, "plain_fails_with": None,
            "same_losses_as": full}
     lora = "train_dpo, LoRA r8 q/v, ZeRO-3, no checkpointing"
     if side:  # the LoRA settings fail plainly on the pinned DeepSpeed: their reference trains on the side one
         lora_ref = f"{lora}, DeepSpeed {side['version']} (reference)"
-        yield {"name": lora_ref, "cmd": command(lora_rank=8), "env": env(**side["env"]), "read": read_losses,
+        yield {"name": lora_ref, "cmd": dpo(lora_rank=8), "env": env(**side["env"]), "read": read_losses,
                "plain_fails_with": None, "same_losses_as": None}
-    yield {"name": lora, "cmd": command(lora_rank=8), "env": env(), "read": read_losses,
+    yield {"name": lora, "cmd": dpo(lora_rank=8), "env": env(), "read": read_losses,
            "plain_fails_with": "invalid tensor type" if mixed_dtype else None,
            "same_losses_as": lora_ref if side else lora}
     if side:
         lora = lora_ref
     yield {"name": "train_dpo, LoRA r8 q/v, ZeRO-3, checkpointing (OpenRLHF's default: non-reentrant)",
-           "cmd": command(lora_rank=8, checkpointing="default"), "env": env(), "read": read_losses,
+           "cmd": dpo(lora_rank=8, checkpointing="default"), "env": env(), "read": read_losses,
            "plain_fails_with": "CheckpointError" if run.frozen_recompute_bug() else
            "invalid tensor type" if mixed_dtype else None, "same_losses_as": lora}
     yield {"name": "train_dpo, LoRA r8 q/v, ZeRO-3, --model.gradient_checkpointing_reentrant",
-           "cmd": command(lora_rank=8, checkpointing="reentrant"), "env": env(), "read": read_losses,
+           "cmd": dpo(lora_rank=8, checkpointing="reentrant"), "env": env(), "read": read_losses,
            "plain_fails_with": "invalid tensor type" if mixed_dtype else None, "same_losses_as": lora}
     # LoRA tensors of 2048 x 64 = 131072 elements (> the 1e5 persistence threshold) are partitioned, so
     # peft's save_pretrained, which OpenRLHF calls on rank 0 alone, meets ZeRO-3 placeholders
     # (zero3_peft_save); OpenRLHF then overwrites the file with its own gathered tensors.
     yield {"name": "train_dpo, LoRA r2048 q/v (partitioned adapters), ZeRO-3, rank-0 save_pretrained",
-           "cmd": command(lora_rank=2048), "env": env(), "read": read_losses, "plain_fails_with": None,
+           "cmd": dpo(lora_rank=2048), "env": env(), "read": read_losses, "plain_fails_with": None,
            "same_losses_as": None, "check": check_peft_save}
     yield from rm_cases(paths, extra, env, side, mixed_dtype)
 
@@ -248,38 +258,22 @@ def rm_cases(paths: dict, extra: dict, env, side: dict | None, mixed_dtype: bool
     DPO cases' preference rows."""
     import run
 
-    def command(lora_rank=0, checkpointing=None):
-        def cmd(out):
-            args = ["--model.model_name_or_path", paths["model"], "--data.dataset", extra["data"],
-                    # without an eval set train_rm takes 1 % of 8 rows, 0, and fails (module docstring)
-                    "--eval.dataset", extra["data"],
-                    "--data.prompt_key", "prompt", "--data.chosen_key", "chosen", "--data.rejected_key", "rejected",
-                    "--data.max_len", "64", "--data.max_samples", "8", "--train.micro_batch_size", "1",
-                    "--train.batch_size", "2", "--train.max_epochs", "1", "--ds.zero_stage", "3",
-                    "--ds.param_dtype", "bf16", "--ds.attn_implementation", "eager", "--adam.lr", "1e-3",
-                    "--train.seed", "0", "--max_norm", "1.0", "--lr_scheduler", "constant",
-                    "--logger.tensorboard_dir", str(out / "tb"), "--ckpt.output_dir", str(out / "ckpt"),
-                    "--ckpt.path", str(out / "ckpt" / "checkpoints_rm")]
-            if lora_rank:
-                args += ["--ds.lora.rank", str(lora_rank), "--ds.lora.alpha", "16",
-                         "--ds.lora.target_modules", "q_proj", "v_proj"]
-            if checkpointing:
-                args.append("--model.gradient_checkpointing_enable")
-            return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                    "127.0.0.1", "--master_port", str(run.free_port()), "-m", "openrlhf.cli.train_rm", *args]
-        return cmd
+    def rm(lora_rank=0, checkpointing=None):
+        # without an eval set train_rm takes 1 % of 8 rows, 0, and fails (module docstring)
+        return command("train_rm", ["--model.model_name_or_path", paths["model"], "--eval.dataset", extra["data"]],
+                       extra["data"], "checkpoints_rm", lora_rank, checkpointing)
 
-    yield {"name": "train_rm, full fine-tune, ZeRO-3, no checkpointing", "cmd": command(), "env": env(),
+    yield {"name": "train_rm, full fine-tune, ZeRO-3, no checkpointing", "cmd": rm(), "env": env(),
            "read": read_losses, "plain_fails_with": None, "same_losses_as": None}
     lora = "train_rm, LoRA r8 q/v, ZeRO-3, no checkpointing"
     reference = lora
     if side:
         reference = f"{lora}, DeepSpeed {side['version']} (reference)"
-        yield {"name": reference, "cmd": command(lora_rank=8), "env": env(**side["env"]), "read": read_losses,
+        yield {"name": reference, "cmd": rm(lora_rank=8), "env": env(**side["env"]), "read": read_losses,
                "plain_fails_with": None, "same_losses_as": None}
-    yield {"name": lora, "cmd": command(lora_rank=8), "env": env(), "read": read_losses,
+    yield {"name": lora, "cmd": rm(lora_rank=8), "env": env(), "read": read_losses,
            "plain_fails_with": "invalid tensor type" if mixed_dtype else None, "same_losses_as": reference}
     yield {"name": "train_rm, LoRA r8 q/v, ZeRO-3, checkpointing (OpenRLHF's default: non-reentrant)",
-           "cmd": command(lora_rank=8, checkpointing="default"), "env": env(), "read": read_losses,
+           "cmd": rm(lora_rank=8, checkpointing="default"), "env": env(), "read": read_losses,
            "plain_fails_with": "CheckpointError" if run.frozen_recompute_bug() else
            "invalid tensor type" if mixed_dtype else None, "same_losses_as": reference}
