@@ -164,8 +164,8 @@ def judge(path: str) -> "tuple":
     return "stale", f"no process of this host has it open (a {kind} filesystem)"
 
 
-def _identity(path: str):
-    st = os.stat(path)
+def _identity(st: os.stat_result) -> tuple:
+    """Which file a lock is (a new lock at the same path is another inode or change time)."""
     return st.st_ino, st.st_dev, st.st_ctime_ns
 
 
@@ -180,7 +180,7 @@ def _remove_if_stale(path: str, seen) -> str:
         fcntl.flock(side, fcntl.LOCK_EX)
         try:
             try:
-                if _identity(path) != seen:
+                if _identity(os.stat(path)) != seen:
                     return "changed"
             except FileNotFoundError:
                 return "gone"
@@ -210,7 +210,8 @@ def _wait(wrapped, instance, args, kwargs):
         next_look = now + 1.0
         with guard(NAME):
             try:
-                seen, age = _identity(path), time.time() - os.stat(path).st_mtime
+                st = os.stat(path)
+                seen, age = _identity(st), time.time() - st.st_mtime
             except FileNotFoundError:
                 # gone; if it was judged stale, another waiter removed it and may not have taken the baton
                 # yet: run _jit_compile again (harmless where the op is built: it only loads it then)
