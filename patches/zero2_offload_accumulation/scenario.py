@@ -14,15 +14,21 @@ Runs, in one process per rank:
 
 Each records the per-micro-batch losses, the global gradient norm of each
 step and every parameter value (ZeRO-2 keeps full parameters on each rank).
+
+``--device cpu`` (default; CI): DeepSpeed's CPU accelerator over gloo; the
+method under test, ``async_accumulate_grad_in_cpu_via_gpu``, then accumulates
+on the CPU.  ``--device cuda`` (gpu marker, one GPU per rank, NCCL): the real
+path, the gradients on the GPU and the accumulation buffer in host memory.
 """
 
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
+from common import attempt, ds_config, enable_zeroshim, end, import_deepspeed, param_digest, versions
 
 deepspeed = import_deepspeed()
 STEPS, MICRO = 3, 2
+DEVICE = "cpu"  # set by main(): "cpu" or "cuda:<local rank>"
 
 
 def train(stage: int, ga: int, offload: bool, clip: float) -> dict:
@@ -38,7 +44,7 @@ def train(stage: int, ga: int, offload: bool, clip: float) -> dict:
     losses, norms = [], []
     for _ in range(STEPS):
         for _ in range(ga):
-            x = torch.randn(MICRO, 32, generator=gen)
+            x = torch.randn(MICRO, 32, generator=gen).to(DEVICE)
             loss = engine(x).pow(2).mean()
             engine.backward(loss)
             engine.step()
@@ -57,7 +63,19 @@ def runs(tag: str, offload: bool) -> dict:
 
 
 def main():
-    out, results = begin()
+    import argparse
+    import os
+
+    global DEVICE
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        DEVICE = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(DEVICE)
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    out, results = args.out, {"versions": versions(), "device": args.device}
     results.update(runs("reference", offload=False))
     results.update(runs("without", offload=True))
     results["z1/without/ga4"] = attempt(train, 1, 4, True, 1.0)
