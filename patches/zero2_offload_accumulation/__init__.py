@@ -50,7 +50,12 @@ Fix
     boundary, with ``micro_step_id`` at GA-1, and copying the sum back there
     would add it again at the next step.  Numerics: the sum is the one the
     device formed; the step equals the same run without offload as far as
-    the accumulation order allows (the tests compare it).
+    the accumulation order allows (the tests compare it: bit for bit on the
+    CPU).  On a GPU (``--device cuda``: NCCL, the gradients on the GPU, the
+    buffer in host memory; an H100, DeepSpeed 0.16.9) the parameters after 3
+    steps at GA = 4 are 0.057 away from the run without offload without
+    zeroshim and 4.5e-08 with it (the two runs step AdamW on different
+    devices, so CUDA is compared within 1e-5).
 
 Undo
     ``zeroshim.unpatch("zero2_offload_accumulation")`` restores the method.
