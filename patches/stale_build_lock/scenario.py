@@ -1,5 +1,6 @@
 """Scenario for patch ``stale_build_lock``: DeepSpeed JIT-builds its CPU comm op
-(``ShareMemCommBuilder``, what ``deepspeed.init_distributed`` builds on a CPU) on every rank into a
+(``ShareMemCommBuilder``, what ``deepspeed.init_distributed`` builds on a CPU; on DeepSpeed 0.14,
+which has none, the CPU fused Adam) on every rank into a
 build folder where a killed build left torch's lock: the file ``<folder>/lock``, created an hour
 ago, that no process holds.  Each run has a folder of its own under ``--out`` (shared by the ranks,
 as ``~/.cache/torch_extensions`` is on one node); rank 0 leaves the lock there, then every rank
@@ -35,7 +36,18 @@ from common import describe, enable_zeroshim, end, import_deepspeed, versions
 
 import_deepspeed()
 
-OP = "ShareMemCommBuilder"
+def _op() -> str:
+    """The op to build: the CPU comm op (DeepSpeed 0.15+); where the CPU accelerator has none (0.14:
+    ``NotImplementedBuilder``, a build without sources), its fused Adam, another JIT-built op."""
+    from deepspeed.accelerator import get_accelerator
+
+    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+        if type(get_accelerator().create_op_builder(name)).__name__ != "NotImplementedBuilder":
+            return name
+    raise RuntimeError("this DeepSpeed's CPU accelerator JIT-builds neither its comm op nor its fused Adam")
+
+
+OP = _op()
 
 
 def builder():
@@ -139,7 +151,7 @@ def main():
     # a process group without DeepSpeed's comm backend, which would load the op now (an op loads once per
     # process: torch refuses a second registration of its operator library)
     dist.init_process_group("gloo")
-    rank, results = dist.get_rank(), {"versions": versions()}
+    rank, results = dist.get_rank(), {"versions": versions(), "op": OP}
     out = os.path.abspath(args.out)
     extensions = os.path.abspath(args.extensions or os.path.join(out, "extensions"))
     root = {run: os.path.join(extensions, run) for run in ("without", "with", "held")}
