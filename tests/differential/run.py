@@ -55,13 +55,15 @@ AXES = {
     "persistence": ["default", "0"],  # stage3_param_persistence_threshold (ZeRO-3 only)
     "twice": [False, True],  # one block run twice per step
     "ranks": [1, 2, 4],
+    "api": ["raw", "trainer"],  # deepspeed.initialize by hand, or HF Trainer (its DeepSpeed integration)
 }
 #: configurations that always run first: the shapes of known bugs, so that even a small sample goes
 #: through the "fixed" path (a block with trainable parameters run twice per step under reentrant
 #: checkpointing at ZeRO-2: "has already been reduced" without zeroshim on every release)
 ANCHORS = [
     {"stage": 2, "offload": "none", "ga": 1, "clip": 0.0, "dtype": "fp32", "ckpt": "reentrant",
-     "input_grad": "natural", "training": "full", "persistence": "default", "twice": True, "ranks": 2},
+     "input_grad": "natural", "training": "full", "persistence": "default", "twice": True, "ranks": 2,
+     "api": "raw"},
 ]
 NOT_RUNNABLE = ("is not supported", "not supported on", "fp16 is not supported")
 TIMEOUT = 150  # per rank, in the worker (a hang is recorded, the launch ends)
@@ -125,7 +127,7 @@ def name_of(cfg: dict) -> str:
     return (f"z{cfg['stage']} off={cfg['offload']} ga{cfg['ga']} clip={cfg['clip']:g} {cfg['dtype']} "
             f"ckpt={cfg['ckpt']}{'/' + cfg['input_grad'] if cfg['ckpt'] != 'none' else ''} {cfg['training']}"
             f"{' pt=' + cfg['persistence'] if cfg['stage'] == 3 else ''}{' twice' if cfg['twice'] else ''} "
-            f"{cfg['ranks']}r")
+            f"{cfg['ranks']}r{' trainer' if cfg.get('api') == 'trainer' else ''}")
 
 
 def launch(cfg: dict, mode: str, out: Path) -> dict:

@@ -1,7 +1,7 @@
 """One configuration of the differential matrix on one rank (run under torchrun by
 tests/differential/run.py): a tiny token model built from the configuration's axes,
-trained for a few optimizer steps with raw ``deepspeed.initialize``, without or with
-zeroshim (``--mode``).  Writes ``<out>/rank<R>.json``: the losses of every micro-step,
+trained for a few optimizer steps with raw ``deepspeed.initialize`` or with HF
+``Trainer`` (axis ``api``), without or with zeroshim (``--mode``).  Writes ``<out>/rank<R>.json``: the losses of every micro-step,
 a digest of the parameters as this rank holds them, whether the trainable parameters
 moved, and the error if training raised.  A watchdog records ``hang`` and ends the
 process when a collective never returns (ranks that disagree)."""
@@ -50,7 +50,7 @@ def main():
     deepspeed = import_deepspeed()
     rank, world = init_distributed()
     try:
-        results.update(train(deepspeed, cfg, rank), ok=True)
+        results.update((train_trainer if cfg.get("api") == "trainer" else train)(deepspeed, cfg, rank), ok=True)
     except Exception as exc:  # a failing configuration is a result
         results.update(ok=False, error=describe(exc))
         done.set()
@@ -178,6 +178,74 @@ def train(deepspeed, cfg, rank):
         engine.step()
         losses.append(loss.item())
     out = {"losses": losses, "updated": trainable_digest(engine.module) != before,
+           **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
+    skipped = getattr(engine, "skipped_steps", None)
+    if skipped is not None:
+        out["skipped_steps"] = int(skipped)
+    return out
+
+
+def train_trainer(deepspeed, cfg, rank):
+    """The same model and steps through HF Trainer's DeepSpeed integration: the DeepSpeed config
+    with Trainer's "auto" values, Trainer's AdamW (no weight decay) and a constant learning rate,
+    ``use_cpu``; the batches in order (Trainer's sampler made sequential; each rank gets its
+    slice), so that the runs without and with zeroshim see the same data."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from common import param_digest
+
+    world = dist.get_world_size()
+    net = build(cfg)
+
+    class Wrapped(nn.Module):  # Trainer reads outputs["loss"]
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, labels):
+            return {"loss": self.inner(ids, labels)}
+
+    gen = torch.Generator().manual_seed(100)
+    rows = []
+    for _ in range(STEPS * cfg["ga"] * MICRO_BATCH * world):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
+        rows.append({"ids": ids, "labels": (ids * 3 + 1) % VOCAB})
+    config = ds_config(cfg, world)
+    config.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
+                  train_batch_size="auto", gradient_clipping="auto")
+    for key in ("bf16", "fp16"):
+        if key in config:
+            config[key]["enabled"] = "auto"
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="zs-diff-"), per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=cfg["ga"], max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=cfg["clip"], bf16=cfg["dtype"] == "bf16", fp16=cfg["dtype"] == "fp16",
+        use_cpu=True, deepspeed=config, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
+        data_seed=0, disable_tqdm=True, remove_unused_columns=False, dataloader_drop_last=True)
+    losses, digests = [], {}
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            digests["before"] = trainable_digest(model)
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, *a, **k):
+            loss = super().compute_loss(model, inputs, *a, **k)
+            losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach().float()))
+            return loss
+
+        def _get_train_sampler(self, *a, **k):  # in order, as the raw loop's batches
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    trainer = Recording(model=Wrapped(net), args=args, train_dataset=rows, callbacks=[Record()])
+    trainer.train()
+    engine = trainer.model_wrapped
+    out = {"losses": losses, "updated": trainable_digest(engine.module) != digests.get("before"),
            **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
     skipped = getattr(engine, "skipped_steps", None)
     if skipped is not None:
