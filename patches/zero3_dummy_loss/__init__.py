@@ -252,19 +252,23 @@ def strip_zero_terms(loss) -> int:
     parameters directly; returns how many were cut."""
     root = getattr(loss, "grad_fn", None)
     cut, seen, stack = 0, set(), [root]
+    # once per backward over every node of the graph: the common path (not a Mul node) costs a set
+    # lookup, a type name and the node's edges (benchmarks/RESULTS.md section 10)
+    mul_nodes, pop, push, add = _MUL_NODES, stack.pop, stack.extend, seen.add
     while stack:
-        node = stack.pop()
+        node = pop()
         if node is None or node in seen:
             continue
-        seen.add(node)
-        params = _zero_term_params(node)
-        if params:
-            node.register_prehook(_undefined)
-            for p in params:  # what the hook does if the cut term was this parameter's only path
-                _cut_params[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
-            cut += 1
-            continue
-        stack.extend(fn for fn, _ in node.next_functions)
+        add(node)
+        if type(node).__name__ in mul_nodes:
+            params = _zero_term_params(node)
+            if params:
+                node.register_prehook(_undefined)
+                for p in params:  # what the hook does if the cut term was this parameter's only path
+                    _cut_params[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
+                cut += 1
+                continue
+        push([fn for fn, _ in node.next_functions])
     return cut
 
 
@@ -299,6 +303,8 @@ def _engine_backward(wrapped, instance, args, kwargs):
 
 
 def _reduce_ready(wrapped, instance, args, kwargs):
+    if not _cut_params:  # nothing was cut in this backward (every step of a run without such terms): no checks
+        return wrapped(*args, **kwargs)
     with guard(NAME):
         what = _cut_params.get(id(args[0])) if args and _cut_params and args[0].grad is None else None
         if what is not None and (what == _SKIP or _is_placeholder(args[0])):  # _ZERO released since: skip
