@@ -15,7 +15,10 @@ import torch.nn as nn
 
 from common import (attempt, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed, param_digest, versions)
 
-deepspeed = import_deepspeed()
+# zero3_gloo_gather kept on in the runs without zeroshim (it follows its own gate, DeepSpeed < 0.19.8): the
+# default-threshold runs gather their persistent parameters with DeepSpeed's blocking gather after every step and
+# are compared bit for bit, which on gloo now and then reads unwritten memory (see common.import_deepspeed)
+deepspeed = import_deepspeed(fix_gloo_gathers=True)
 STEPS = 2
 ZEROS = {"0.0": lambda: 0.0, "0": lambda: 0, "tensor": lambda: torch.tensor(0.)}
 PLACEMENTS = ("used_inside", "used_outside", "unused_inside", "unused_outside")
