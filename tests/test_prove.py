@@ -154,3 +154,58 @@ def test_a_launch_that_fails_at_exit_after_writing_its_results_is_reported_as_su
     assert row["proven"] is True and len(row["aborted_at_exit"]) == 1
     assert "terminate called without an active exception" in row["aborted_at_exit"][0]
     assert "judged by their results: 1 launch(es) failed at exit" in row["with"]
+
+
+# -- judges' "not run here" and abort paths, on made-up results ---------------------------------------------
+def test_mixed_dtype_unreached_is_not_run_only_where_everything_with_zeroshim_was_right():
+    proof = _prove.proof("zero3_mixed_dtype_gather")
+    ok = {"ok": True, "losses": [1.0], "param_sha256": "x", "trainable_dtypes": ["torch.bfloat16"]}
+    rank = {"versions": {"deepspeed": "0.16.9"}, "status": {"state": "applied"}, "reference": ok, "without": ok,
+            "with": ok, "alone": ok, "regrouped": 0, "regrouped_alone": 0}
+    with pytest.raises(_prove.NotHere, match="never gathers shards of two dtypes"):
+        proof.judge([rank])
+    for broken in ({"with": {"ok": False, "error": "RuntimeError: x"}}, {"with": dict(ok, losses=[2.0])},
+                   {"alone": {"ok": False, "error": "RuntimeError: x"}}):
+        assert proof.judge([dict(rank, **broken)])[2] is False, broken
+
+
+def _gloo_run(wrong=0, losses=(1.0,)):
+    return {"ok": True, "gathers": 600, "wrong_gathers": wrong, "saves": 100, "wrong_saves": 0, "first_wrong": None,
+            "first_wrong_save": None, "losses": list(losses), "param_sha256": "x"}
+
+
+def test_gloo_gather_race_not_occurring_is_not_run_but_a_wrong_result_is_not_proven():
+    proof = _prove.proof("zero3_gloo_gather")
+    persistent = {"ok": True, "losses": [1.0]}
+    rank = {"reference": _gloo_run(), "without": _gloo_run(), "with": _gloo_run(), "stats": {"split": 600},
+            "persistent/with": persistent, "persistent/reference": persistent}
+    with pytest.raises(_prove.NotHere, match="race did not occur"):
+        proof.judge([rank])
+    assert proof.judge([dict(rank, without=_gloo_run(wrong=3))])[2] is True
+    for broken in ({"with": _gloo_run(wrong=1)}, {"with": _gloo_run(losses=(2.0,))},
+                   {"without": _gloo_run(losses=(2.0,))}):  # the last: the race changed the model another way
+        assert proof.judge([dict(rank, **broken)])[2] is False, broken
+
+
+def test_moe_gloo_abort_without_zeroshim_is_the_bug_and_a_rank_dying_with_it_is_not_proven():
+    proof = _prove.proof("zero3_moe_leaf")
+    ref = {"reference": {"losses": [1.0]}, "frozen": {"losses": [2.0]}}  # written before the routed run
+    good = dict(ref, run={"losses": [1.0]})
+    launches = {}
+
+    def launch(name, nproc, out, *args, timeout=900):
+        mode = args[args.index("--mode") + 1]
+        return launches[mode]
+
+    launch.aborted = ["without/log.txt (exit -6)"]
+    aborted = {"returncode": -6, "ranks": [dict(ref), dict(ref)],
+               "log": "op.preamble.length <= op.nbytes. Is there a distributed collective mismatch\n"}
+    launches.update(without=aborted, **{"with": {"returncode": 0, "ranks": [good, good], "log": ""}})
+    without, _, proven = proof.prove(launch, "/tmp/x", 2, "cpu")
+    assert proven and without.startswith("gloo aborted") and launch.aborted == []
+    launches["with"] = {"returncode": -11, "ranks": [good, dict(ref)], "log": "Segmentation fault\n"}
+    with pytest.raises(_prove.Unproven, match=r"with zeroshim: rank\(s\) 1 died in the routed run"):
+        proof.prove(launch, "/tmp/x", 2, "cpu")
+    launches["without"] = dict(aborted, log="Killed\n")  # no gloo mismatch: not taken as the bug
+    with pytest.raises(_prove.Unproven, match="without zeroshim"):
+        proof.prove(launch, "/tmp/x", 2, "cpu")

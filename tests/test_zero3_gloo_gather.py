@@ -24,7 +24,12 @@ def test_proof(ranks):
     """Where affected: without zeroshim some gathers read garbage (the race is timing-dependent: 600 gathers
     of 8 parameters, about 40 expected wrong on 2 cores, and most of 100 state dicts); with it none.  Where
     fixed upstream: nothing to prove."""
-    without, with_, proven = load_proof("zero3_gloo_gather").judge(ranks)
+    from zeroshim._prove import NotHere
+
+    try:
+        without, with_, proven = load_proof("zero3_gloo_gather").judge(ranks)
+    except NotHere as exc:  # the patch acted and all was right with it, but the race did not occur this time
+        pytest.fail(f"the race did not occur in this run, so this run cannot prove the patch: {exc}")
     assert proven == AFFECTED, (without, with_)
 
 

@@ -6,7 +6,7 @@ On the CPU the run with zeroshim must equal the run without offload bit for bit.
 offload, and on the host's fp32 partition, with it), so there they must agree within
 :data:`CUDA_TOL` -- far below what the bug changes (over 1e-3 here)."""
 
-from zeroshim._prove import equal, ranks_of
+from zeroshim._prove import NotHere, equal, ranks_of
 
 NAME = "zero2_offload_accumulation"
 ARGS = ()
@@ -38,6 +38,10 @@ def prove(launch, out, nproc, device):
     if device == "cuda":  # one GPU per rank
         import torch
 
-        nproc = min(nproc, max(1, torch.cuda.device_count()))
-        return judge(ranks_of(launch(NAME, nproc, out, "--device", "cuda")), device)
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            raise NotHere("--device cuda: no CUDA device here")
+        nproc = min(nproc, gpus)
+        without, with_, proven = judge(ranks_of(launch(NAME, nproc, out, "--device", "cuda")), device)
+        return without, f"{with_} ({nproc} rank(s), one GPU each)", proven
     return judge(ranks_of(launch(NAME, nproc, out, *ARGS)))

@@ -4,7 +4,7 @@ blocks behind a frozen input (which must train as unmarked blocks do)."""
 
 import os
 
-from zeroshim._prove import Unproven, first_line, ranks_of
+from zeroshim._prove import Unproven, first_line, ranks_of, root_cause
 
 NAME = "zero3_moe_leaf"
 #: gloo's own words when ranks that gathered different experts meet in a collective of another size: on 8 ranks
@@ -43,9 +43,17 @@ def prove(launch, out, nproc, device):
     for mode, timeout in (("without", "30"), ("with", "120")):
         result = launch(NAME, nproc, os.path.join(out, mode), "--mode", mode, "--timeout", timeout)
         runs[mode] = ranks_of(result)
-        if mode == "without":
-            runs["gloo_mismatch"] = GLOO_MISMATCH in result.get("log", "")
+        # every rank writes its reference runs before the routed run: a rank with no routed result died in it
+        died = [str(i) for i, r in enumerate(runs[mode]) if "run" not in r]
+        if not died:
+            continue
+        if mode == "without" and GLOO_MISMATCH in result.get("log", ""):  # the bug, as gloo aborts on it
+            runs["gloo_mismatch"] = True
             aborted = getattr(launch, "aborted", None)  # `prove`'s list of launches that failed *at exit*
-            if runs["gloo_mismatch"] and aborted:  # this one failed inside the routed run: said by the judge
+            if aborted:  # this one failed inside the routed run, which the judge says
                 aborted.pop()
+            continue
+        raise Unproven(f"{mode} zeroshim: rank(s) {', '.join(died)} died in the routed run: "
+                       f"{root_cause(result.get('log', ''))}"
+                       + (f" (log: {result['log_path']})" if result.get("log_path") else ""))
     return judge(runs)
