@@ -171,7 +171,9 @@ def classify(cfg: dict, work: Path) -> dict:
     if without["ok"] and with_["ok"]:
         same = numbers(without) == numbers(with_)
         row["class"] = "same" if same else "differ"
-        if not same:
+        if not all(r["losses"] for run in (without, with_) for r in run["ranks"]):  # the harness lost them
+            row["class"], row["note"] = "differ", "a rank recorded no losses: nothing was compared"
+        elif not same:
             row["note"] = "losses/digests differ: " + json.dumps([r["losses"] for r in without["ranks"]])[:200] + \
                           " vs " + json.dumps([r["losses"] for r in with_["ranks"]])[:200]
         if not any(r["updated"] for r in without["ranks"]):

@@ -1,9 +1,10 @@
 """One configuration of the differential matrix on one rank (run under torchrun by
 tests/differential/run.py): a tiny token model built from the configuration's axes,
 trained for a few optimizer steps with raw ``deepspeed.initialize`` or with HF
-``Trainer`` (axis ``api``), without or with zeroshim (``--mode``).  Writes ``<out>/rank<R>.json``: the losses of every micro-step,
-a digest of the parameters as this rank holds them, whether the trainable parameters
-moved, and the error if training raised.  A watchdog records ``hang`` and ends the
+``Trainer`` (axis ``api``), without or with zeroshim (``--mode``).  Writes
+``<out>/rank<R>.json``: the losses of every micro-step, a digest of the parameters as
+this rank holds them, whether the trainable parameters moved, and the error if
+training raised.  A watchdog records ``hang`` and ends the
 process when a collective never returns (ranks that disagree)."""
 
 from __future__ import annotations
@@ -221,8 +222,9 @@ def train_trainer(deepspeed, cfg, rank):
     for key in ("bf16", "fp16"):
         if key in config:
             config[key]["enabled"] = "auto"
+    output_dir = tempfile.TemporaryDirectory(prefix="zs-diff-")  # save_strategy "no": nothing is written there
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="zs-diff-"), per_device_train_batch_size=MICRO_BATCH,
+        output_dir=output_dir.name, per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=cfg["ga"], max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=cfg["clip"], bf16=cfg["dtype"] == "bf16", fp16=cfg["dtype"] == "fp16",
         use_cpu=True, deepspeed=config, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
@@ -244,8 +246,9 @@ def train_trainer(deepspeed, cfg, rank):
 
     trainer = Recording(model=Wrapped(net), args=args, train_dataset=rows, callbacks=[Record()])
     trainer.train()
+    output_dir.cleanup()
     engine = trainer.model_wrapped
-    out = {"losses": losses, "updated": trainable_digest(engine.module) != digests.get("before"),
+    out = {"losses": losses, "updated": trainable_digest(engine.module) != digests["before"],
            **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
     skipped = getattr(engine, "skipped_steps", None)
     if skipped is not None:
