@@ -1,5 +1,6 @@
 """The judge of ``stale_build_lock`` (used by ``zeroshim prove`` and tests/test_stale_build_lock.py): DeepSpeed's
-JIT build of its CPU comm op on 2 ranks, into a folder where a killed build left torch's lock.
+JIT build of its CPU comm op (the fused Adam on DeepSpeed 0.14) on 2 ranks, into a folder where a killed build
+left torch's lock.
 
 Proven: without zeroshim every rank is still waiting in torch's ``FileBaton.wait`` after the time limit; with
 zeroshim one rank removed the lock, the op was built and loads on every rank; and a lock a live process holds

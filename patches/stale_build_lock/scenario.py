@@ -7,8 +7,9 @@ as ``~/.cache/torch_extensions`` is on one node); rank 0 leaves the lock there, 
 calls DeepSpeed's ``OpBuilder.jit_load()`` (the build ``load()`` does when the op is not prebuilt).
 
 Two launches (``--mode``), as an op loads once per process (torch refuses a second registration of
-its operator library); the process group is gloo's own, without DeepSpeed's comm backend (which
-would load the op at once).  Runs (per rank):
+the comm op's operator library; 0.14's fused Adam, a plain extension module, keeps the same shape);
+the process group is gloo's own, without DeepSpeed's comm backend (which would load the comm op at
+once).  Runs (per rank):
 
 * ``stale`` launch, ``without``: no zeroshim: still waiting after ``--hang`` seconds, inside
   torch's ``FileBaton.wait`` (the build is left waiting in a daemon thread);
@@ -148,7 +149,7 @@ def main():
     parser.add_argument("--hang", type=float, default=15, help="seconds after which the run without zeroshim "
                                                                  "counts as hung")
     args = parser.parse_args()
-    # a process group without DeepSpeed's comm backend, which would load the op now (an op loads once per
+    # a process group without DeepSpeed's comm backend, which would load the comm op now (it loads once per
     # process: torch refuses a second registration of its operator library)
     dist.init_process_group("gloo")
     rank, results = dist.get_rank(), {"versions": versions(), "op": OP}
@@ -163,7 +164,7 @@ def main():
         results["without"] = build(root["without"], args.hang)
         dist.barrier()
         # the next build as in a process of its own: torch numbers the builds of one name within a process
-        # (deepspeed_shm_comm_v1 for a second folder), and the held launch loads this folder's build
+        # (deepspeed_shm_comm_v1 or fused_adam_v1 for a second folder), and the held launch loads this folder's build
         from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
 
         JIT_EXTENSION_VERSIONER.entries.pop(builder().name, None)

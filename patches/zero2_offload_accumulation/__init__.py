@@ -52,7 +52,7 @@ Fix
     device formed; the step equals the same run without offload as far as
     the accumulation order allows (the tests compare it: bit for bit on the
     CPU).  On a GPU (``--device cuda``: NCCL, the gradients on the GPU, the
-    buffer in host memory; an H100, DeepSpeed 0.16.9) the parameters after 3
+    buffer in host memory; 1 rank on an H100, DeepSpeed 0.16.9) the parameters after 3
     steps at GA = 4 are 0.057 away from the run without offload without
     zeroshim and 4.5e-08 with it (the two runs step AdamW on different
     devices, so CUDA is compared within 1e-5).

@@ -253,7 +253,7 @@ def strip_zero_terms(loss) -> int:
     root = getattr(loss, "grad_fn", None)
     cut, seen, stack = 0, set(), [root]
     # once per backward over every node of the graph: the common path (not a Mul node) costs a set
-    # lookup, a type name and the node's edges (benchmarks/RESULTS.md section 10)
+    # lookup, a type name and the node's edges (benchmarks/RESULTS.md section 10b)
     mul_nodes, pop, push, add = _MUL_NODES, stack.pop, stack.extend, seen.add
     while stack:
         node = pop()

@@ -5,8 +5,9 @@ combination of: adapter used in the forward or not; term built inside the
 model's forward or outside it; zero written ``0.0``, ``0`` or
 ``torch.tensor(0.)``.  Reference: the same model and batch without the dummy
 line.  Phases in one process per rank: without zeroshim (reference and
-failing runs), with zeroshim (ZeRO-3 runs; ZeRO-2 and ZeRO-0 runs with the
-dummy, patched and unpatched, must be identical and strip nothing).
+failing runs; only ``zero3_gloo_gather`` on, by its own gate, see below), with
+zeroshim (ZeRO-3 runs; ZeRO-2 and ZeRO-0 runs with the dummy, patched and
+unpatched, must be identical and strip nothing).
 """
 
 
