@@ -204,7 +204,8 @@ def table(rows, versions: dict) -> str:
     lines.append("")
     rest = len(rows) - len(ran)
     lines.append(f"{sum(1 for r in ran if r['proven'])} of {len(ran)} patch(es) that apply here proved themselves"
-                 + (f"; {rest} did not run (not affected here, or turned off)" if rest else "") + ".")
+                 + (f"; {rest} did not run (not affected here, turned off, or a reproduction that cannot show "
+                    "its bug here: see its row)" if rest else "") + ".")
     return "\n".join(lines)
 
 
