@@ -22,8 +22,8 @@ def ranks(request, tmp_path_factory):
     return torchrun("zero2_offload_accumulation", request.param, tmp_path_factory.mktemp(f"ga{request.param}"))["ranks"]
 
 
-def max_diff(a, b) -> float:
-    return max(abs(x - y) for x, y in zip(a["param_values"], b["param_values"]))
+PROOF = load_proof("zero2_offload_accumulation")  # its judge; max_diff: the largest parameter difference
+max_diff = PROOF.max_diff
 
 
 def test_status_follows_the_range(ranks):
@@ -92,7 +92,6 @@ def test_gpu_offload_accumulation(tmp_path):
     GPU and on the host), so they are compared within the judge's CUDA bound, not bit for bit."""
     import torch
 
-    proof = load_proof("zero2_offload_accumulation")
     ranks = torchrun("zero2_offload_accumulation", min(2, torch.cuda.device_count()), tmp_path,
                      "--device", "cuda")["ranks"]
     for rank in ranks:
@@ -100,18 +99,18 @@ def test_gpu_offload_accumulation(tmp_path):
         for run in RUNS:
             without, with_, reference = rank[f"without/{run}"], rank[f"with/{run}"], rank[f"reference/{run}"]
             assert without["ok"] and with_["ok"] and reference["ok"], (without.get("error"), with_.get("error"))
-            assert max_diff(with_, reference) <= proof.CUDA_TOL, run
+            assert max_diff(with_, reference) <= PROOF.CUDA_TOL, run
             if AFFECTED:  # silent: it trains, on other gradients
                 assert max_diff(without, reference) > 1e-4, run
             else:
-                assert max_diff(without, reference) <= proof.CUDA_TOL, run
+                assert max_diff(without, reference) <= PROOF.CUDA_TOL, run
         assert rank["z1/with/ga4"]["param_sha256"] == rank["z1/without/ga4"]["param_sha256"]
-    without, with_, proven = proof.judge(ranks, "cuda")
+    without, with_, proven = PROOF.judge(ranks, "cuda")
     assert proven == AFFECTED, (without, with_)
 
 
 def test_proof(ranks):
     """The judge `zeroshim prove` uses (patches/zero2_offload_accumulation/proof.py) on this launch: the bug without
     zeroshim, the reference with it; where not affected, nothing to prove."""
-    without, with_, proven = load_proof("zero2_offload_accumulation").judge(ranks)
+    without, with_, proven = PROOF.judge(ranks)
     assert proven == AFFECTED, (without, with_)

@@ -306,7 +306,7 @@ def _reduce_ready(wrapped, instance, args, kwargs):
     if not _cut_params:  # nothing was cut in this backward (every step of a run without such terms): no checks
         return wrapped(*args, **kwargs)
     with guard(NAME):
-        what = _cut_params.get(id(args[0])) if args and _cut_params and args[0].grad is None else None
+        what = _cut_params.get(id(args[0])) if args and args[0].grad is None else None
         if what is not None and (what == _SKIP or _is_placeholder(args[0])):  # _ZERO released since: skip
             return None  # its only gradient path was a stripped zero term: as if the hook had not fired
         if what == _ZERO and not _is_placeholder(args[0]):

@@ -33,19 +33,18 @@ def judge(ranks) -> "tuple[str, str, bool]":
     without = "no zeroshim: " + "; ".join(_count(r["without"], i) for i, r in enumerate(ranks))
     with_ = "with zeroshim: " + "; ".join(_count(r["with"], i) for i, r in enumerate(ranks))
     runs_ok = bool(ranks) and all(r[k].get("ok") for r in ranks for k in ("reference", "without", "with"))
-    if runs_ok and not all(_trains_as(r["without"], r["reference"]) for r in ranks):
+    without_trains = runs_ok and all(_trains_as(r["without"], r["reference"]) for r in ranks)
+    if runs_ok and not without_trains:
         without += "; then trained to other losses/parameters than the reference (the model itself was changed)"
-    proven = runs_ok and sum(_wrong(r["without"]) for r in ranks) > 0
-    proven = proven and all(_wrong(r["with"]) == 0 and _trains_as(r["with"], r["reference"]) for r in ranks)
+    raced = runs_ok and sum(_wrong(r["without"]) for r in ranks) > 0
+    with_right = runs_ok and all(_wrong(r["with"]) == 0 and _trains_as(r["with"], r["reference"]) for r in ranks)
     # ordinary training whose persistent parameters take the gather after every step: as nothing persistent
     persistent = all(r["persistent/with"].get("ok") and r["persistent/reference"].get("ok") and
                      r["persistent/with"]["losses"] == r["persistent/reference"]["losses"] for r in ranks)
     if runs_ok and not persistent:
         with_ += "; but training with persistent parameters ended elsewhere than with none persistent"
-    proven = proven and persistent
-    clean = runs_ok and persistent and all(_wrong(r["with"]) == 0 and _trains_as(r["with"], r["reference"])
-                                           and _trains_as(r["without"], r["reference"]) for r in ranks)
-    if clean and not proven and all(r["stats"]["split"] > 0 for r in ranks):
+    proven = raced and with_right and persistent
+    if with_right and persistent and without_trains and not raced and all(r["stats"]["split"] > 0 for r in ranks):
         # the patch acted and everything with it was right, but the race did not occur without it in this run
         # (no wrong gather, and the run without zeroshim trained to the reference too)
         raise NotHere(f"the race did not occur in this run (0 wrong gathers without zeroshim; it depends on "

@@ -35,7 +35,7 @@ def main():
     cfg = json.loads(args.config)
     if args.mode == "with":
         import zeroshim  # noqa: F401  (the user's first line)
-    from common import describe, import_deepspeed, init_distributed, param_digest, write_results
+    from common import describe, import_deepspeed, init_distributed, write_results
 
     results = {"mode": args.mode, "config": cfg}
     done = threading.Event()
@@ -162,7 +162,6 @@ def trainable_digest(net):
 def train(deepspeed, cfg, rank):
     import torch
     import torch.distributed as dist
-    from common import param_digest
 
     world = dist.get_world_size()
     net = build(cfg)
@@ -178,6 +177,14 @@ def train(deepspeed, cfg, rank):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    return outcome(engine, losses, before)
+
+
+def outcome(engine, losses: list, before: str) -> dict:
+    """What a rank records after training ``engine``: the losses, whether a trainable parameter moved
+    since the digest ``before``, the parameter digest, and the steps fp16 skipped."""
+    from common import param_digest
+
     out = {"losses": losses, "updated": trainable_digest(engine.module) != before,
            **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
     skipped = getattr(engine, "skipped_steps", None)
@@ -197,8 +204,6 @@ def train_trainer(deepspeed, cfg, rank):
     import torch.distributed as dist
     import torch.nn as nn
     from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from common import param_digest
 
     world = dist.get_world_size()
     net = build(cfg)
@@ -247,13 +252,7 @@ def train_trainer(deepspeed, cfg, rank):
     trainer = Recording(model=Wrapped(net), args=args, train_dataset=rows, callbacks=[Record()])
     trainer.train()
     output_dir.cleanup()
-    engine = trainer.model_wrapped
-    out = {"losses": losses, "updated": trainable_digest(engine.module) != digests["before"],
-           **{k: v for k, v in param_digest(engine).items() if k != "param_sums"}}
-    skipped = getattr(engine, "skipped_steps", None)
-    if skipped is not None:
-        out["skipped_steps"] = int(skipped)
-    return out
+    return outcome(trainer.model_wrapped, losses, digests["before"])
 
 
 if __name__ == "__main__":
