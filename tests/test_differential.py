@@ -69,3 +69,22 @@ def test_sample_is_seeded_and_covers_pairs():
     assert all(differential.valid(c) and c["dtype"] != "fp16" and c["ranks"] <= 2 for c in a)
     values = {(k, repr(c[k])) for c in a for k in c}
     assert {("stage", repr(s)) for s in (0, 1, 2, 3)} <= values  # 6 pairwise-greedy draws reach every stage
+
+
+def test_fix_draws_only_that_axis_value():
+    fix = differential.parse_fix(["dtype=fp16", "ranks=2", "twice=True"])
+    assert fix == {"dtype": "fp16", "ranks": 2, "twice": True}
+    drawn = differential.sample(4, 0, 4, fix=fix)
+    assert len(drawn) == 4 and all(c["dtype"] == "fp16" and c["ranks"] == 2 and c["twice"] for c in drawn)
+    for bad in ("dtype=fp17", "nope=1", "ranks"):
+        with pytest.raises(SystemExit):
+            differential.parse_fix([bad])
+
+
+def test_fp16_mode(monkeypatch):
+    monkeypatch.setattr(differential, "fp16_runnable", lambda: False)
+    monkeypatch.setenv("ZS_DIFF_FP16_ON_CPU", "x")  # restored (or removed) after the test
+    assert differential.fp16_mode(False) == "left out" and "ZS_DIFF_FP16_ON_CPU" not in __import__("os").environ
+    assert differential.fp16_mode(True) == "adapted" and __import__("os").environ["ZS_DIFF_FP16_ON_CPU"] == "1"
+    monkeypatch.setattr(differential, "fp16_runnable", lambda: True)
+    assert differential.fp16_mode(True) == "native"

@@ -13,7 +13,15 @@ script's first line, nothing else changed) and is classified:
 * **differ**: trained both ways to different numbers, trained without and failed with,
   or fixed to numbers other than the reference's.  Must be 0.
 * **not runnable here**: failed both ways because this machine cannot run the
-  configuration at all (fp16 on a CPU without fp16 kernels); not a candidate patch.
+  configuration at all (fp16 where the harness may not answer DeepSpeed's fp16 check,
+  below); not a candidate patch.
+
+fp16 on a CPU: DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels
+(``is_fp16_supported``), though torch computes fp16 on a CPU with its own.  There the
+harness answers that one check in every rank of both runs (train.py ``fp16_on_cpu``), so
+that DeepSpeed's fp16 path (dynamic loss scaling, overflow-skipped steps, the overflow
+all-reduce) runs unchanged; ``--no-fp16-on-cpu`` (or ``ZS_DIFF_FP16_ON_CPU=0``) leaves the
+fp16 rows out instead.  The table's header says which was done.
 
 A further column says where training "succeeded" without moving any trainable parameter
 (silent both ways, e.g. reentrant checkpointing of LoRA layers whose input needs no grad).
@@ -22,6 +30,7 @@ Sampling is seeded and reproducible: the configurations are ordered greedily so 
 the first N cover as many pairs of axis values as possible (then at random).
 
     python tests/differential/run.py [--sample N] [--seed S] [--max-ranks R] [--out DIR] [--table FILE]
+                                     [--no-fp16-on-cpu] [--fix AXIS=VALUE ...]
 
 ``ZS_DIFF_SAMPLE`` / ``ZS_DIFF_SEED`` / ``ZS_DIFF_MAX_RANKS`` set the defaults.  Exit status 1
 if any configuration differs.  The last line is the summary::
@@ -91,9 +100,29 @@ def fp16_runnable() -> bool:
         return False
 
 
-def space(max_ranks: int, fp16: bool = True) -> list:
+def fp16_mode(allow_adaptation: bool) -> str:
+    """How the fp16 rows run here: "native" (the CPU has fp16 kernels), "adapted" (the harness answers
+    DeepSpeed's fp16 check in every rank of both runs: ``ZS_DIFF_FP16_ON_CPU=1`` for train.py), or
+    "left out"."""
+    if fp16_runnable():
+        return "native"
+    if allow_adaptation:
+        os.environ["ZS_DIFF_FP16_ON_CPU"] = "1"
+        return "adapted"
+    os.environ.pop("ZS_DIFF_FP16_ON_CPU", None)
+    return "left out"
+
+
+FP16_NOTE = {"native": "fp16 native",
+             "adapted": "fp16 on this CPU through the harness (DeepSpeed's fp16 check answered in both runs)",
+             "left out": "fp16 left out"}
+
+
+def space(max_ranks: int, fp16: bool = True, fix: dict | None = None) -> list:
     keys = list(AXES)
     axes = dict(AXES, dtype=[d for d in AXES["dtype"] if fp16 or d != "fp16"])
+    for key, value in (fix or {}).items():  # one value of an axis (--fix)
+        axes[key] = [v for v in axes[key] if v == value]
     out = []
     for values in itertools.product(*axes.values()):
         cfg = dict(zip(keys, values))
@@ -107,10 +136,11 @@ def pairs(cfg: dict) -> set:
     return set(itertools.combinations(items, 2))
 
 
-def sample(n: int, seed: int, max_ranks: int, fp16: bool = True) -> list:
-    """The first ``n`` configurations of a seeded greedy pairwise ordering."""
+def sample(n: int, seed: int, max_ranks: int, fp16: bool = True, fix: dict | None = None) -> list:
+    """The first ``n`` configurations of a seeded greedy pairwise ordering (of those with the ``fix``ed
+    axis values)."""
     rng = random.Random(seed)
-    pool = space(max_ranks, fp16)
+    pool = space(max_ranks, fp16, fix)
     rng.shuffle(pool)
     chosen, covered = [], set()
     while len(chosen) < min(n, len(pool)):
@@ -168,6 +198,8 @@ def classify(cfg: dict, work: Path) -> dict:
            "with": first_line(with_["error"]) or "trained", "seconds": without["seconds"] + with_["seconds"],
            "counters": sorted({f"{p}.{k}" for r in with_["ranks"] if r for p, c in r.get("counters", {}).items()
                                for k in c}), "note": ""}
+    if cfg["dtype"] == "fp16":  # the steps the loss scaler skipped (overflow), rank 0, each way
+        row["fp16_skipped"] = [((run["ranks"] or [None])[0] or {}).get("skipped_steps") for run in (without, with_)]
     if without["ok"] and with_["ok"]:
         same = numbers(without) == numbers(with_)
         row["class"] = "same" if same else "differ"
@@ -199,6 +231,9 @@ def classify(cfg: dict, work: Path) -> dict:
         row["class"] = "not runnable here"
     else:
         row["class"] = "failed both ways"
+    if row.get("fp16_skipped") and row["fp16_skipped"] != [None, None]:
+        row["note"] = (row["note"] + " fp16 steps skipped on overflow (rank 0): without {}, with {}".format(
+            *("-" if n is None else n for n in row["fp16_skipped"]))).strip()
     return row
 
 
@@ -211,14 +246,31 @@ def summary(rows: list) -> str:
     return line
 
 
-def table(rows: list, versions: dict) -> str:
-    lines = ["differential matrix: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
+def table(rows: list, versions: dict, fp16: str = "native") -> str:
+    lines = ["differential matrix: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + f"; {FP16_NOTE[fp16]}", "",
              "| configuration | without zeroshim | with zeroshim | class | zeroshim's non-zero counters | note | s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['without']} | {r['with']} | {r['class']} | {', '.join(r['counters'])} | "
                      f"{r['note'].strip()} | {r['seconds']:.0f} |")
     return "\n".join(lines + ["", summary(rows)])
+
+
+def parse_fix(items: list) -> dict:
+    """``KEY=VALUE`` pairs naming one value of an axis each (``--fix dtype=fp16 --fix ranks=4``)."""
+    fix = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or key not in AXES:
+            raise SystemExit(f"--fix {item!r}: expected AXIS=VALUE with AXIS one of {', '.join(AXES)}")
+        try:
+            value = json.loads(text.lower() if text in ("True", "False") else text)
+        except ValueError:
+            value = text
+        if value not in AXES[key]:
+            raise SystemExit(f"--fix {item!r}: {key} takes one of {AXES[key]}")
+        fix[key] = value
+    return fix
 
 
 def main(argv=None) -> int:
@@ -230,18 +282,31 @@ def main(argv=None) -> int:
     parser.add_argument("--table", default=None, help="also write the markdown table here")
     parser.add_argument("--only", type=int, nargs="*", help="run only these indices (anchors first)")
     parser.add_argument("--no-anchors", action="store_true", help="leave out the known-bug configurations (ANCHORS)")
+    parser.add_argument("--no-fp16-on-cpu", action="store_true",
+                        default=os.environ.get("ZS_DIFF_FP16_ON_CPU") == "0",
+                        help="where the CPU has no fp16 kernels, leave the fp16 rows out instead of answering "
+                             "DeepSpeed's fp16 check in the harness")
+    parser.add_argument("--fix", action="append", metavar="AXIS=VALUE",
+                        help="draw only configurations with this axis value (repeatable), e.g. dtype=fp16")
     args = parser.parse_args(argv)
+    fix = parse_fix(args.fix)
     from importlib.metadata import version
 
-    versions = {p: version(p) for p in ("torch", "deepspeed", "peft")}
+    versions = {p: version(p) for p in ("torch", "deepspeed", "transformers", "peft")}
     work = Path(args.out or tempfile.mkdtemp(prefix="zeroshim-differential-"))
-    fp16 = fp16_runnable()
-    if not fp16:
+    fp16_how = fp16_mode(not args.no_fp16_on_cpu)
+    fp16 = fp16_how != "left out"
+    if fp16_how == "left out":
         print("fp16 left out: this CPU has no fp16 kernels (DeepSpeed's CPU accelerator refuses it); "
               "run the matrix on a machine with them for the fp16 rows", flush=True)
-    chosen = ([] if args.no_anchors else ANCHORS) + sample(args.sample, args.seed, args.max_ranks, fp16)
-    print(f"{len(chosen) - len(ANCHORS) * (not args.no_anchors)} of {len(space(args.max_ranks, fp16))} "
-          f"configurations (seed {args.seed}), after {0 if args.no_anchors else len(ANCHORS)} anchor(s); runs in {work}",
+    elif fp16_how == "adapted":
+        print("fp16 rows: this CPU has no fp16 kernels, so the harness answers DeepSpeed's fp16 check in every "
+              "rank of both runs (torch's own CPU kernels compute fp16)", flush=True)
+    if fix.get("dtype") == "fp16" and not fp16:
+        raise SystemExit("--fix dtype=fp16 with the fp16 rows left out")
+    chosen = ([] if args.no_anchors else ANCHORS) + sample(args.sample, args.seed, args.max_ranks, fp16, fix)
+    print(f"{len(chosen) - len(ANCHORS) * (not args.no_anchors)} of {len(space(args.max_ranks, fp16, fix))} "
+          f"configurations{' with ' + ', '.join(f'{k}={v}' for k, v in fix.items()) if fix else ''} (seed {args.seed}), after {0 if args.no_anchors else len(ANCHORS)} anchor(s); runs in {work}",
           flush=True)
     rows = []
     for i, cfg in enumerate(chosen):
@@ -252,7 +317,7 @@ def main(argv=None) -> int:
         print(f"[{i}] {row['name']}: {row['class']} ({row['seconds']:.0f} s) {row['note'].strip()}"
               + (f" | without: {row['without']} | with: {row['with']}" if row["class"] != "same" else ""),
               flush=True)
-    text = table(rows, versions)
+    text = table(rows, versions, fp16_how)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
     if args.table:
         Path(args.table).write_text(text + "\n")
