@@ -18,8 +18,23 @@ RUNS = [f"ga{ga}/clip{clip}" for ga in (3, 4) for clip in ("0", "1")]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
-def ranks(request, tmp_path_factory):
-    return torchrun("zero2_offload_accumulation", request.param, tmp_path_factory.mktemp(f"ga{request.param}"))["ranks"]
+def launch(request, tmp_path_factory):
+    return torchrun("zero2_offload_accumulation", request.param, tmp_path_factory.mktemp(f"ga{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def ranks(launch):
+    return launch["ranks"]
+
+
+def test_acting_is_logged_once_on_rank_0_where_affected(launch):
+    # the scenario's runs with zeroshim copy sums back in every rank; rank 0 says so once, at WARNING
+    lines = [line for line in launch["log"].splitlines() if "zeroshim[zero2_offload_accumulation]" in line]
+    if AFFECTED:
+        assert len(lines) == 1 and "kept the gradient sum of every micro-batch" in lines[0], lines
+        assert "ZEROSHIM_ZERO2_OFFLOAD_ACCUMULATION=off turns this off" in lines[0]
+    else:
+        assert lines == []
 
 
 PROOF = load_proof("zero2_offload_accumulation")  # its judge; max_diff: the largest parameter difference

@@ -55,7 +55,9 @@ Fix
     buffer in host memory; 1 rank on an H100, DeepSpeed 0.16.9) the parameters after 3
     steps at GA = 4 are 0.057 away from the run without offload without
     zeroshim and 4.5e-08 with it (the two runs step AdamW on different
-    devices, so CUDA is compared within 1e-5).
+    devices, so CUDA is compared within 1e-5).  One WARNING on global rank 0
+    the first time a sum is copied back (what, why, the flag): it changes the
+    numbers the user's run trains on.
 
 Undo
     ``zeroshim.unpatch("zero2_offload_accumulation")`` restores the method.
@@ -63,6 +65,7 @@ Undo
 
 from __future__ import annotations
 
+from zeroshim import _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr
 from zeroshim._source import Fingerprint
@@ -91,6 +94,9 @@ def _accumulate(wrapped, instance, args, kwargs):
         finally:
             instance.micro_step_id = step
         stats["copied_back"] += 1
+        _log.acted(NAME, "kept the gradient sum of every micro-batch in the CPU offload buffer (ZeRO-2, "
+                         "offload_optimizer, gradient accumulation >= 3)", "this DeepSpeed release otherwise "
+                         "drops every micro-batch between the first and the last of each step, silently")
     return result
 
 
