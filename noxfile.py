@@ -237,10 +237,11 @@ def clients(session, framework):
 # DeepSpeed's own unit tests, without and with zeroshim active in every rank (tests/dsunit/run.py):
 # the newest release of the matrix, and 0.19.2, inside the ranges of the most invasive patches
 # (zero3_frozen_recompute, zero3_delegating_wrapper).  The tests come from DeepSpeed's git
-# repository at the release's tag (the sdist has no tests/), cached outside this tree; 55-80
-# minutes per release on 2 cores, so not in CI: run before each release (README).
+# repository at the release's tag (the sdist has no tests/), cached outside this tree; with the CPU
+# adaptations (tests/dsunit/cpu_harness.py) the tests run to their end, about an hour per run on 2
+# cores (plain, then zeroshim), so not in CI: run before each release (README).
 #   nox -s "deepspeed_suite(release='0.19.2')" -- [--repo PATH_OR_URL] [--ref REF] [--all] [--reruns N]
-#       [--only TEST_ID ...] [-- PYTEST_ARGS]
+#       [--only TEST_ID ...] [--resume] [--stop-at HH:MM] [-- PYTEST_ARGS]
 # release -> packages.  0.19.5 is the newest tag the DeepSpeed mirror here reaches (0.19.8's tests then
 # come from master, and the report says so); it has no environment of its own in MATRIX, so it takes
 # 0.19.2's pins with its own DeepSpeed.
