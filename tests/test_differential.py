@@ -20,7 +20,8 @@ SAMPLE = 2  # random configurations after the anchor (about 2 minutes in all on 
 
 
 @pytest.mark.deepspeed
-def test_sample_never_differs(tmp_path, capsys):
+def test_sample_never_differs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ZS_DIFF_FP16_ON_CPU", "")  # main() sets it for its launches: restored afterwards
     code = differential.main(["--sample", str(SAMPLE), "--max-ranks", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     print(out)
@@ -52,7 +53,18 @@ CFG = dict(differential.ANCHORS[0], ckpt="none", twice=False, ranks=1)
 ])
 def test_classifier(monkeypatch, tmp_path, without, with_, expected):
     monkeypatch.setattr(differential, "launch", lambda cfg, mode, out: {"without": without, "with": with_}[mode])
-    assert differential.classify(CFG, tmp_path)["class"] == expected
+    monkeypatch.setenv("ZS_DIFF_FP16_ON_CPU", "0")  # fp16 refused here, not answered by the harness
+    cfg = dict(CFG, dtype="fp16") if expected == "not runnable here" else CFG
+    assert differential.classify(cfg, tmp_path)["class"] == expected
+
+
+def test_refusals_are_failures_where_fp16_was_adapted_or_not_fp16(monkeypatch, tmp_path):
+    refused = _result([], ok=False, error="ValueError: Type fp16 is not supported")
+    monkeypatch.setattr(differential, "launch", lambda cfg, mode, out: refused)
+    monkeypatch.setenv("ZS_DIFF_FP16_ON_CPU", "1")
+    assert differential.classify(dict(CFG, dtype="fp16"), tmp_path)["class"] == "failed both ways"
+    monkeypatch.setenv("ZS_DIFF_FP16_ON_CPU", "0")
+    assert differential.classify(CFG, tmp_path)["class"] == "failed both ways"
 
 
 def test_fixed_to_other_numbers_than_the_reference_differs(monkeypatch, tmp_path):
@@ -72,11 +84,18 @@ def test_sample_is_seeded_and_covers_pairs():
 
 
 def test_fix_draws_only_that_axis_value():
-    fix = differential.parse_fix(["dtype=fp16", "ranks=2", "twice=True"])
-    assert fix == {"dtype": "fp16", "ranks": 2, "twice": True}
+    fix = differential.parse_fix(["dtype=fp16", "ranks=2", "twice=True", "persistence=0", "clip=.05"])
+    assert fix == {"dtype": "fp16", "ranks": 2, "twice": True, "persistence": "0", "clip": 0.05}
+    assert type(fix["ranks"]) is int and type(fix["clip"]) is float
     drawn = differential.sample(4, 0, 4, fix=fix)
-    assert len(drawn) == 4 and all(c["dtype"] == "fp16" and c["ranks"] == 2 and c["twice"] for c in drawn)
-    for bad in ("dtype=fp17", "nope=1", "ranks"):
+    assert len(drawn) == 4 and all(c["dtype"] == "fp16" and c["ranks"] == 2 and c["twice"] and
+                                   c["persistence"] == "0" for c in drawn)
+    # a narrow pool is drawn whole (the pool shrinks while drawing)
+    narrow = differential.parse_fix(["stage=3", "offload=optimizer+param", "ga=1", "clip=0", "dtype=fp32",
+                                     "ckpt=none", "training=full", "persistence=0", "ranks=1", "api=raw"])
+    pool = differential.space(4, fix=narrow)
+    assert len(pool) == 2 and len(differential.sample(10, 0, 4, fix=narrow)) == 2
+    for bad in ("dtype=fp17", "nope=1", "ranks", "stage=True", "twice=1", "ga=true"):
         with pytest.raises(SystemExit):
             differential.parse_fix([bad])
 

@@ -65,7 +65,7 @@ Undo
 
 from __future__ import annotations
 
-from zeroshim import _log
+from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr
 from zeroshim._source import Fingerprint
@@ -94,9 +94,11 @@ def _accumulate(wrapped, instance, args, kwargs):
         finally:
             instance.micro_step_id = step
         stats["copied_back"] += 1
-        _log.acted(NAME, "kept the gradient sum of every micro-batch in the CPU offload buffer (ZeRO-2, "
-                         "offload_optimizer, gradient accumulation >= 3)", "this DeepSpeed release otherwise "
-                         "drops every micro-batch between the first and the last of each step, silently")
+        if stats["copied_back"] == 1:  # the first copy-back in this process (acted() itself logs once)
+            _log.acted(NAME, "kept the gradient sum of every micro-batch in the CPU offload buffer (ZeRO-2, "
+                             "offload_optimizer, gradient accumulation >= 3)", "DeepSpeed %s otherwise drops the "
+                             "gradients of the micro-batches between the first and the last of each step, without "
+                             "an error", _versions.installed("deepspeed"))
     return result
 
 
@@ -112,8 +114,6 @@ def check_config(cfg, affected: bool) -> list:
     risky_ga = ga == "auto" or (isinstance(ga, int) and ga >= 3)
     if not (affected and cfg.stage == 2 and cfg.offload_optimizer in ("cpu", "nvme") and risky_ga):
         return []
-    from zeroshim import _versions
-
     return [{"level": "error",
              "message": f"ZeRO-2 with offload_optimizer={cfg.offload_optimizer} and gradient_accumulation_steps={ga} "
                         f"trains on wrong gradients on deepspeed {_versions.installed('deepspeed')} (only the first "

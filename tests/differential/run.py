@@ -143,7 +143,8 @@ def sample(n: int, seed: int, max_ranks: int, fp16: bool = True, fix: dict | Non
     pool = space(max_ranks, fp16, fix)
     rng.shuffle(pool)
     chosen, covered = [], set()
-    while len(chosen) < min(n, len(pool)):
+    target = min(n, len(pool))  # the pool shrinks as configurations are drawn
+    while len(chosen) < target:
         candidates = pool[: 400]
         best = max(candidates, key=lambda c: len(pairs(c) - covered))
         pool.remove(best)
@@ -226,9 +227,10 @@ def classify(cfg: dict, work: Path) -> dict:
             row["note"] = "no reference for this configuration"
     elif without["ok"]:
         row["class"], row["note"] = "differ", "trained without zeroshim, failed with it"
-    elif any(s in (without["error"] or "") for s in NOT_RUNNABLE) and \
+    elif cfg["dtype"] == "fp16" and os.environ.get("ZS_DIFF_FP16_ON_CPU") != "1" and \
+            any(s in (without["error"] or "") for s in NOT_RUNNABLE) and \
             any(s in (with_["error"] or "") for s in NOT_RUNNABLE):
-        row["class"] = "not runnable here"
+        row["class"] = "not runnable here"  # fp16 refused, and the harness did not answer the check
     else:
         row["class"] = "failed both ways"
     if row.get("fp16_skipped") and row["fp16_skipped"] != [None, None]:
@@ -263,14 +265,23 @@ def parse_fix(items: list) -> dict:
         key, sep, text = item.partition("=")
         if not sep or key not in AXES:
             raise SystemExit(f"--fix {item!r}: expected AXIS=VALUE with AXIS one of {', '.join(AXES)}")
-        try:
-            value = json.loads(text.lower() if text in ("True", "False") else text)
-        except ValueError:
-            value = text
-        if value not in AXES[key]:
+        hits = [v for v in AXES[key] if _same(text, v)]
+        if not hits:
             raise SystemExit(f"--fix {item!r}: {key} takes one of {AXES[key]}")
-        fix[key] = value
+        fix[key] = hits[0]  # the axis's own value (the string "0" of persistence, the float 0.05 of clip)
     return fix
+
+
+def _same(text: str, value) -> bool:
+    """Whether ``text`` names the axis value ``value`` (booleans only as true/false, numbers by value)."""
+    if isinstance(value, bool):
+        return text.lower() == str(value).lower()
+    if isinstance(value, (int, float)):
+        try:
+            return text.lower() not in ("true", "false") and float(text) == value
+        except ValueError:
+            return False
+    return text == value
 
 
 def main(argv=None) -> int:
@@ -283,7 +294,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", type=int, nargs="*", help="run only these indices (anchors first)")
     parser.add_argument("--no-anchors", action="store_true", help="leave out the known-bug configurations (ANCHORS)")
     parser.add_argument("--no-fp16-on-cpu", action="store_true",
-                        default=os.environ.get("ZS_DIFF_FP16_ON_CPU") == "0",
+                        default=os.environ.get("ZS_DIFF_FP16_ON_CPU", "").lower() in ("0", "false", "no", "off"),
                         help="where the CPU has no fp16 kernels, leave the fp16 rows out instead of answering "
                              "DeepSpeed's fp16 check in the harness")
     parser.add_argument("--fix", action="append", metavar="AXIS=VALUE",
@@ -304,9 +315,13 @@ def main(argv=None) -> int:
               "rank of both runs (torch's own CPU kernels compute fp16)", flush=True)
     if fix.get("dtype") == "fp16" and not fp16:
         raise SystemExit("--fix dtype=fp16 with the fp16 rows left out")
-    chosen = ([] if args.no_anchors else ANCHORS) + sample(args.sample, args.seed, args.max_ranks, fp16, fix)
-    print(f"{len(chosen) - len(ANCHORS) * (not args.no_anchors)} of {len(space(args.max_ranks, fp16, fix))} "
-          f"configurations{' with ' + ', '.join(f'{k}={v}' for k, v in fix.items()) if fix else ''} (seed {args.seed}), after {0 if args.no_anchors else len(ANCHORS)} anchor(s); runs in {work}",
+    if not space(args.max_ranks, fp16, fix):
+        raise SystemExit(f"no configuration has {fix} (at most {args.max_ranks} ranks)")
+    # the known-bug anchors that have the --fix values
+    anchors = [] if args.no_anchors else [a for a in ANCHORS if all(a[k] == v for k, v in fix.items())]
+    chosen = anchors + sample(args.sample, args.seed, args.max_ranks, fp16, fix)
+    print(f"{len(chosen) - len(anchors)} of {len(space(args.max_ranks, fp16, fix))} "
+          f"configurations{' with ' + ', '.join(f'{k}={v}' for k, v in fix.items()) if fix else ''} (seed {args.seed}), after {len(anchors)} anchor(s); runs in {work}",
           flush=True)
     rows = []
     for i, cfg in enumerate(chosen):

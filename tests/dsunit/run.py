@@ -199,19 +199,28 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
         proc = subprocess.Popen(cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout=None if stop_at is None else max(stop_at - time.time(), 1))
-        except subprocess.TimeoutExpired:
-            stopped = True
-            proc.send_signal(signal.SIGINT)  # pytest's own interrupt: its session ends, the outcomes are written
             try:
-                code = proc.wait(timeout=120)
+                code = proc.wait(timeout=None if stop_at is None else max(stop_at - time.time(), 1))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+                stopped = True
+                proc.send_signal(signal.SIGINT)  # pytest's own interrupt: its session ends, outcomes written
+                try:
+                    code = proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:  # zs_outcomes has written the outcomes after every test
+                    proc.kill()
+                    code = proc.wait()
+        except BaseException:  # run.py itself interrupted (Ctrl-C, nox): pytest is in its own group, stop it too
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            raise
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group: a test's forked child, its ranks
+            except OSError:
+                pass
     clean_shm(before)
     wall = time.time() - start
     try:
@@ -219,7 +228,8 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
     except (OSError, ValueError):
         die(f"the {name} run wrote no outcomes (exit {code}); see {out / (name + '.log')}")
     result.update(exit=code, wall=round(wall, 1), acted=acted_lines(zslog) if mode == "zeroshim" else {},
-                  harness=harness_fixes(harnesslog), stopped=stopped)
+                  harness=harness_fixes(harnesslog), stopped=stopped,
+                  stop_at=time.strftime("%H:%M", time.localtime(stop_at)) if stopped else None)
     return result
 
 
@@ -229,6 +239,8 @@ def resumed_plain(out: Path) -> dict:
         result = json.loads((out / "plain.json").read_text())
     except (OSError, ValueError):
         die(f"--resume: no finished plain run in {out} (plain.json)")
+    if result.get("exitstatus") not in (0, 1):  # 2: interrupted, 3: internal error, 4: usage error
+        die(f"--resume: the plain run in {out} did not finish (pytest exit {result.get('exitstatus')})")
     result.update(exit=result.get("exitstatus"), wall=result.get("seconds", 0.0), acted={},
                   harness=harness_fixes(out / "plain-harness"), stopped=False)
     return result
@@ -345,8 +357,11 @@ def compare(plain: dict, zs: dict, history: dict) -> tuple[list, list]:
     """(regressions: passed plainly in every run, not with zeroshim; other differences).  Each entry:
     (test, plain outcomes, zeroshim outcomes, message) with the outcomes of the first run and reruns."""
     regressions, differences = [], []
+    unreached = set(not_reached(plain, zs))
     for test in dict.fromkeys([*differing(plain, zs), *history]):
         p, z = plain["tests"][test], zs["tests"].get(test)
+        if z is None and test in unreached:
+            continue
         p_all = [p["outcome"]] + history.get(test, {}).get("plain", [])
         z_all = [z["outcome"] if z else "not run"] + history.get(test, {}).get("zeroshim", [])
         if len(set(p_all + z_all)) == 1:  # rerun (--only) and the same in every run
@@ -394,13 +409,16 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
              "", f"## Passed without zeroshim in every run, not with it: {len(regressions)}", ""]
     unreached = meta.get("not_reached") or []
     if zs.get("stopped") or meta.get("resumed"):
-        lines[8:8] = [f"- the zeroshim run {'was stopped at ' + str(meta.get('stop_at')) if zs.get('stopped') else 'ran to its end'}"
+        lines[8:8] = [f"- the zeroshim run {'was stopped at ' + str(zs.get('stop_at')) if zs.get('stopped') else 'ran to its end'}"
                       f"{' (resumed after the plain run)' if meta.get('resumed') else ''}: {len(unreached)} tests "
                       "that did not skip plainly were not reached (listed at the end; not compared)"]
     def outcomes(runs):
         return "/".join(runs)
 
     lines += [f"- `{t}`: without {outcomes(p)}, with {outcomes(z)}: {m}" for t, p, z, m in regressions] or ["none"]
+    if (regressions or differences) and meta["rounds"] < meta.get("reruns_asked", meta["rounds"]):
+        lines += ["", f"(reruns cut short by --stop-at: {meta['rounds']} of {meta['reruns_asked']} done; a "
+                      "difference without reruns may be one of DeepSpeed's flaky tests, unconfirmed)"]
     lines += ["", f"## Other differences (first run, then {meta['rounds']} reruns of each): {len(differences)}", ""]
     lines += [f"- `{t}`: without {outcomes(p)}, with {outcomes(z)}: {m}" for t, p, z, m in differences] or ["none"]
     if history:
@@ -413,7 +431,7 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
                   for t, h in history.items()]
     failed_both = [(t, e["message"]) for t, e in plain["tests"].items() if e["outcome"] in ("failed", "error")]
     lines += ["", f"## Failing without zeroshim: {len(failed_both)}", ""]
-    lines += [f"- `{t}` (with zeroshim: {zs['tests'].get(t, {}).get('outcome', 'not run')}): {m}"
+    lines += [f"- `{t}` (with zeroshim: {zs['tests'].get(t, {}).get('outcome', 'not reached' if t in unreached else 'not run')}): {m}"
               for t, m in failed_both] or ["none"]
     skips = {}
     for entry in plain["tests"].values():
@@ -480,14 +498,20 @@ def main(argv=None) -> int:
     if args.stop_at:
         try:
             hour, minute = (int(x) for x in args.stop_at.split(":"))
+            if not (0 <= hour < 24 and 0 <= minute < 60):
+                raise ValueError
             stop_at = time.mktime(time.localtime()[:3] + (hour, minute, 0, 0, 0, -1))
         except ValueError:
             die(f"--stop-at {args.stop_at!r}: expected HH:MM")
         if stop_at <= time.time():
             die(f"--stop-at {args.stop_at} has passed")
+    if args.reuse and args.resume:
+        die("--reuse and --resume exclude each other")
     if args.reuse:
         earlier = json.loads((out / "results.json").read_text())
         plain, zs = earlier["plain"], earlier["zeroshim"]
+        for old in [*out.glob("*.rerun*")]:  # the reruns are done again
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     elif args.resume:
         plain = resumed_plain(out)
         for old in [*out.glob("zeroshim*"), *out.glob("*.rerun*"), *out.glob("probe.zeroshim*")]:
@@ -502,10 +526,16 @@ def main(argv=None) -> int:
     if probe_ok != "passed":
         die(f"the probe failed in the plain run ({probe_ok}); see {out / 'plain.log'}")
     if not args.reuse:
+        if stop_at is not None and time.time() >= stop_at:
+            die(f"--stop-at {args.stop_at} came before the zeroshim run started; the plain run is in {out}: "
+                "run again with --resume and a later --stop-at")
         rerun_ids = [t for t, e in plain["tests"].items() if args.all or e["outcome"] != "skipped"]
         rerun_ids = [PROBE] + in_subset_order([t for t in rerun_ids if not t.startswith(PROBE)])
         zs = pytest_run("zeroshim", tests_dir, rerun_ids, out, args.pytest_args, stop_at=stop_at)
     probe = zs["tests"].get(PROBE_ID, {}).get("outcome")
+    if probe is None and zs.get("stopped"):
+        die(f"the zeroshim run was stopped (--stop-at) before its probe ran; the plain run is in {out}: "
+            "run again with --resume and a later --stop-at")
     if probe != "passed":
         die(f"the probe failed in the zeroshim run ({probe}): zeroshim was not active in DeepSpeed's ranks; "
             f"see {out / 'zeroshim.log'}")
@@ -514,14 +544,17 @@ def main(argv=None) -> int:
         seen = json.loads((out / f"probe.zeroshim.{rank}.json").read_text())
         ranks.append(f"rank {rank}: " + ", ".join(sorted(n for n, s in seen["states"].items() if s == "applied")))
     changed = differing(plain, zs)
-    if args.only:  # every selected test that ran, to count its flips
-        changed = [t for t, e in plain["tests"].items() if e["outcome"] != "skipped" and not t.startswith(PROBE)]
+    if args.only:  # every selected test that ran (and a stopped zeroshim run reached), to count its flips
+        unreached = set(not_reached(plain, zs))
+        changed = [t for t, e in plain["tests"].items()
+                   if e["outcome"] != "skipped" and not t.startswith(PROBE) and t not in unreached]
     history = (rerun(tests_dir, changed, out, args.pytest_args, args.reruns, stop_at)
                if changed and len(changed) <= 40 else {})
     regressions, differences = compare(plain, zs, history)
     rounds = min((len(h["plain"]) for h in history.values()), default=0)
     meta = {"release": args.release, "ref": ref, "commit": commit, "at_tag": args.ref is None, "all": args.all,
-            "only": args.only or [], "rounds": rounds, "stop_at": args.stop_at, "resumed": args.resume,
+            "only": args.only or [], "rounds": rounds, "reruns_asked": args.reruns if history else 0,
+            "stop_at": zs.get("stop_at"), "resumed": args.resume,
             "not_reached": not_reached(plain, zs),
             "pytest_args": args.pytest_args, "probe": "yes; applied in " + "; ".join(ranks),
             "versions": ", ".join(f"{p} {version(p)}" for p in ("torch", "deepspeed", "transformers", "zeroshim"))}

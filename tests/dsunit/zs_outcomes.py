@@ -3,8 +3,9 @@
 DeepSpeed's own tests run in the pytest process's children (``--forked``, then
 its ``DistributedTest`` ranks), but their reports come back to this process, so
 the outcome recorded here is the one pytest prints.  Written as JSON to
-``$ZS_DSUNIT_OUTCOMES`` at the end of the session (also when the session stops
-early, e.g. DeepSpeed's harness calling ``pytest.exit`` on a hang).
+``$ZS_DSUNIT_OUTCOMES`` after every test (``exitstatus`` null: a run killed before
+its end keeps what it recorded) and at the end of the session (also when the
+session stops early, e.g. DeepSpeed's harness calling ``pytest.exit`` on a hang).
 """
 
 import json
@@ -35,11 +36,18 @@ def pytest_runtest_logreport(report):
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
         entry["message"] = _message(report)
+    if report.when == "teardown":
+        _write(None)
+
+
+def _write(exitstatus) -> None:
+    path = os.environ.get("ZS_DSUNIT_OUTCOMES")
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"exitstatus": exitstatus, "seconds": round(time.time() - _started, 1),
+                       "tests": _results}, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)  # never a half-written file
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("ZS_DSUNIT_OUTCOMES")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"exitstatus": int(exitstatus), "seconds": round(time.time() - _started, 1),
-                       "tests": _results}, f, indent=1, sort_keys=True)
+    _write(int(exitstatus))
