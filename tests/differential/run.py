@@ -315,12 +315,13 @@ def main(argv=None) -> int:
               "rank of both runs (torch's own CPU kernels compute fp16)", flush=True)
     if fix.get("dtype") == "fp16" and not fp16:
         raise SystemExit("--fix dtype=fp16 with the fp16 rows left out")
-    if not space(args.max_ranks, fp16, fix):
+    pool_size = len(space(args.max_ranks, fp16, fix))
+    if not pool_size:
         raise SystemExit(f"no configuration has {fix} (at most {args.max_ranks} ranks)")
     # the known-bug anchors that have the --fix values
     anchors = [] if args.no_anchors else [a for a in ANCHORS if all(a[k] == v for k, v in fix.items())]
     chosen = anchors + sample(args.sample, args.seed, args.max_ranks, fp16, fix)
-    print(f"{len(chosen) - len(anchors)} of {len(space(args.max_ranks, fp16, fix))} "
+    print(f"{len(chosen) - len(anchors)} of {pool_size} "
           f"configurations{' with ' + ', '.join(f'{k}={v}' for k, v in fix.items()) if fix else ''} (seed {args.seed}), after {len(anchors)} anchor(s); runs in {work}",
           flush=True)
     rows = []

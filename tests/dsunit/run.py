@@ -246,6 +246,12 @@ def resumed_plain(out: Path) -> dict:
     return result
 
 
+def remove_runs(out: Path, *patterns: str) -> None:
+    """Delete the files and folders of earlier runs in ``out`` that match ``patterns`` (to be done again)."""
+    for path in {p for pattern in patterns for p in out.glob(pattern)}:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def in_subset_order(ids: list[str]) -> list[str]:
     """``ids`` grouped by their file's place in SUBSET (stable inside a file; others last)."""
     def place(test):
@@ -510,12 +516,10 @@ def main(argv=None) -> int:
     if args.reuse:
         earlier = json.loads((out / "results.json").read_text())
         plain, zs = earlier["plain"], earlier["zeroshim"]
-        for old in [*out.glob("*.rerun*")]:  # the reruns are done again
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove_runs(out, "*.rerun*")  # the reruns are done again
     elif args.resume:
         plain = resumed_plain(out)
-        for old in [*out.glob("zeroshim*"), *out.glob("*.rerun*"), *out.glob("probe.zeroshim*")]:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove_runs(out, "zeroshim*", "*.rerun*", "probe.zeroshim*")
     else:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
