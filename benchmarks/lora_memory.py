@@ -19,6 +19,10 @@ driver a table.  On CPU the peak is the resident set size (``ru_maxrss``),
 also given above the RSS measured before the model was built, with glibc told
 to map every allocation of 1 MiB or more on its own (``--mmap-threshold``) so
 that freed tensors leave the RSS; on CUDA it is ``torch.cuda.max_memory_allocated``.
+The driver also samples the whole machine's memory in use (``/proc/meminfo``:
+MemTotal - MemAvailable) while each configuration runs and gives its rise above
+the value before the launch: the job's peak, all ranks together, shared pages
+counted once (run it on an otherwise quiet machine).
 
     python benchmarks/lora_memory.py                    # the measurement (CPU: ~15 min on 2 cores)
     python benchmarks/lora_memory.py --configs a b      # some of them
@@ -30,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from _launch import master_port
@@ -162,25 +167,71 @@ def run_config(args, name):
         # parameter, and RSS then measures fragmentation as much as tensors.  A
         # fixed threshold maps every tensor >= 1 MiB on its own: RSS follows them.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(args.mmap_threshold))
-    with master_port() as port:
+    with master_port() as port, SystemMemory() as system:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                   "--master_addr", "127.0.0.1", "--master_port", str(port)]
         proc = subprocess.run(launch + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         tail = "\n".join(proc.stdout.splitlines()[-15:])
-        return {"config": name, "ranks": [], "failed": f"exit {proc.returncode}: {tail}"}
-    return json.loads(lines[-1])
+        return {"config": name, "ranks": [], "failed": f"exit {proc.returncode}: {tail}",
+                "system_peak_mib": system.peak_mib}
+    result = json.loads(lines[-1])
+    result["system_peak_mib"] = system.peak_mib
+    return result
+
+
+def used_mib():
+    """Memory in use on the whole machine (MemTotal - MemAvailable), MiB; None where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in fh}
+        return (info["MemTotal"] - info["MemAvailable"]) / 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+class SystemMemory:
+    """The whole job's peak host memory, system-wide: the most ``used_mib()`` rose above its value before the
+    launch, sampled every 0.2 s while it runs.  Counts all ranks and the launcher once each (shared library pages
+    once, not per rank as RSS does), and anything else the machine runs meanwhile: run it on a quiet machine."""
+
+    def __init__(self):
+        self.peak_mib = None
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self._base = used_mib()
+        if self._base is not None:
+            self._top = self._base
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.2):
+            now = used_mib()
+            if now is not None and now > self._top:
+                self._top = now
+
+    def __exit__(self, *exc):
+        if self._base is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mib = self._top - self._base
+        return False
 
 
 def table(results):
     peak = {}
-    rows = ["| config | peak / rank (MiB) | above pre-model RSS (MiB) | step (s) | losses |",
-            "|---|---|---|---|---|"]
+    rows = ["| config | peak / rank (MiB) | above pre-model RSS (MiB) | job, system-wide (MiB) | step (s) | losses |",
+            "|---|---|---|---|---|---|"]
     for res in results:
         ranks = res["ranks"]
+        system = res.get("system_peak_mib")
+        system = "" if system is None else f"{system:.0f}"
         if not ranks:
-            rows.append(f"| {res['config']} {LABELS[res['config']]} | failed | | | {res['failed'][-200:]} |")
+            rows.append(f"| {res['config']} {LABELS[res['config']]} | failed | | {system} | | {res['failed'][-200:]} |")
             continue
         if ranks[0]["cuda_peak_mib"] is not None:
             top = max(r["cuda_peak_mib"] for r in ranks)
@@ -191,12 +242,13 @@ def table(results):
         step = ranks[0]["step_s"][-1] if ranks[0]["step_s"] else float("nan")
         outcome = ranks[0]["error"] or " → ".join(f"{x:.4f}" for x in ranks[0]["losses"])
         if not ranks[0]["error"]:
-            peak[res["config"]] = (top, above)
-        rows.append(f"| {res['config']} {LABELS[res['config']]} | {top:.0f} | {above:.0f} | {step:.1f} | {outcome} |")
+            peak[res["config"]] = (top, above, res.get("system_peak_mib"))
+        rows.append(f"| {res['config']} {LABELS[res['config']]} | {top:.0f} | {above:.0f} | {system} | {step:.1f} | {outcome} |")
     if "a" in peak and ("b" in peak or "c" in peak):
-        for i, what in ((0, "peak"), (1, "above pre-model RSS")):
-            best = min(peak[k][i] for k in ("b", "c") if k in peak)
-            rows.append(f"\n(a) / min(b, c), {what}: {peak['a'][i] / best:.2f}")
+        for i, what in ((0, "peak"), (1, "above pre-model RSS"), (2, "job, system-wide")):
+            values = [peak[k][i] for k in ("b", "c") if k in peak and peak[k][i]]
+            if peak["a"][i] is not None and values:
+                rows.append(f"\n(a) / min(b, c), {what}: {peak['a'][i] / min(values):.2f}")
     return "\n".join(rows)
 
 

@@ -174,9 +174,10 @@ def clean_shm(before: set) -> None:
 
 
 def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: list[str], name: str = "",
-               stop_at: float | None = None) -> dict:
+               stop_at: float | None = None, zs_env: dict | None = None) -> dict:
     """One pytest run of ``ids``.  ``stop_at`` (epoch seconds): pytest gets SIGINT then, so it ends after
-    writing the outcomes it has (the test it was in is not recorded); the result says ``stopped``."""
+    writing the outcomes it has (the test it was in is not recorded); the result says ``stopped``.
+    ``zs_env``: zeroshim flags (``--zeroshim-env``) for a zeroshim run."""
     name = name or mode  # the run's files: NAME.json, NAME.log, probe.NAME.<rank>.json
     env = base_env(out)
     env.update(ZS_DSUNIT_OUTCOMES=str(out / f"{name}.json"), ZS_DSUNIT_PROBE=str(out / f"probe.{name}"),
@@ -190,6 +191,7 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
     if mode == "zeroshim":  # zeroshim-run puts its bootstrap first; it chains to site/sitecustomize.py
         zslog.mkdir()
         env.update(ZEROSHIM_LOG_LEVEL="INFO", ZS_DSUNIT_ZSLOG=str(zslog / "log"))
+        env.update(zs_env or {})
         cmd = ["zeroshim-run", *cmd]
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     start = time.time()
@@ -337,7 +339,7 @@ def differing(plain: dict, zs: dict) -> list[str]:
 
 
 def rerun(tests_dir: Path, ids: list[str], out: Path, extra: list[str], rounds: int,
-          stop_at: float | None = None) -> dict:
+          stop_at: float | None = None, zs_env: dict | None = None) -> dict:
     """Run the differing tests again, ``rounds`` times in each mode, interleaved: a test that also
     fails without zeroshim in some round is DeepSpeed's flaky test, not a zeroshim regression.  No
     round starts after ``stop_at``, and a round it cuts short is dropped (both modes)."""
@@ -347,7 +349,8 @@ def rerun(tests_dir: Path, ids: list[str], out: Path, extra: list[str], rounds: 
             break
         results = {}
         for mode in ("plain", "zeroshim"):
-            result = pytest_run(mode, tests_dir, [PROBE, *ids], out, extra, name=f"{mode}.rerun{i}", stop_at=stop_at)
+            result = pytest_run(mode, tests_dir, [PROBE, *ids], out, extra, name=f"{mode}.rerun{i}", stop_at=stop_at,
+                                zs_env=zs_env)
             if result["stopped"]:
                 return history
             results[mode] = result
@@ -412,6 +415,8 @@ def report(meta: dict, plain: dict, zs: dict, regressions: list, differences: li
              f"- zeroshim ({'every test' if meta['all'] else 'the tests that did not skip plainly'}): "
              f"{line(counts(zs))} in {zs['wall']:.0f} s (pytest exit {zs['exit']})",
              f"- probe: plain ranks without zeroshim, zeroshim ranks with it: {meta['probe']}",
+             "- zeroshim runs' flags: " + (" ".join(f"{k}={v}" for k, v in sorted(meta.get("zeroshim_env", {}).items()))
+                                            or "none (every patch at its default)"),
              "", f"## Passed without zeroshim in every run, not with it: {len(regressions)}", ""]
     unreached = meta.get("not_reached") or []
     if zs.get("stopped") or meta.get("resumed"):
@@ -489,8 +494,18 @@ def main(argv=None) -> int:
                         help="take both full runs from DIR/<release>/results.json of an earlier run; rerun and report")
     parser.add_argument("--only", action="append", metavar="TEST_ID",
                         help="run only these tests (repeatable) and rerun each of them --reruns times, differing or not")
+    parser.add_argument("--zeroshim-env", action="append", metavar="ZEROSHIM_FLAG=VALUE", default=[],
+                        help="set this zeroshim flag in the zeroshim runs (repeatable), e.g. "
+                             "ZEROSHIM_ZERO3_GLOO_GATHER=off to see what one patch does")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -k zero3")
     args = parser.parse_args(argv)
+    zs_env = {}
+    for item in args.zeroshim_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("ZEROSHIM_") or key == "ZEROSHIM_LOG_LEVEL":
+            die(f"--zeroshim-env {item!r}: expected ZEROSHIM_<FLAG>=VALUE (a zeroshim flag; the runner sets the "
+                "log level itself)")
+        zs_env[key] = value
 
     installed = version("deepspeed")
     if installed != args.release:
@@ -513,6 +528,8 @@ def main(argv=None) -> int:
             die(f"--stop-at {args.stop_at} has passed")
     if args.reuse and args.resume:
         die("--reuse and --resume exclude each other")
+    if args.reuse and zs_env:
+        die("--zeroshim-env and --reuse exclude each other (--reuse keeps the earlier zeroshim run)")
     if args.reuse:
         earlier = json.loads((out / "results.json").read_text())
         plain, zs = earlier["plain"], earlier["zeroshim"]
@@ -535,7 +552,7 @@ def main(argv=None) -> int:
                 "run again with --resume and a later --stop-at")
         rerun_ids = [t for t, e in plain["tests"].items() if args.all or e["outcome"] != "skipped"]
         rerun_ids = [PROBE] + in_subset_order([t for t in rerun_ids if not t.startswith(PROBE)])
-        zs = pytest_run("zeroshim", tests_dir, rerun_ids, out, args.pytest_args, stop_at=stop_at)
+        zs = pytest_run("zeroshim", tests_dir, rerun_ids, out, args.pytest_args, stop_at=stop_at, zs_env=zs_env)
     probe = zs["tests"].get(PROBE_ID, {}).get("outcome")
     if probe is None and zs.get("stopped"):
         die(f"the zeroshim run was stopped (--stop-at) before its probe ran; the plain run is in {out}: "
@@ -552,13 +569,13 @@ def main(argv=None) -> int:
         unreached = set(not_reached(plain, zs))
         changed = [t for t, e in plain["tests"].items()
                    if e["outcome"] != "skipped" and not t.startswith(PROBE) and t not in unreached]
-    history = (rerun(tests_dir, changed, out, args.pytest_args, args.reruns, stop_at)
+    history = (rerun(tests_dir, changed, out, args.pytest_args, args.reruns, stop_at, zs_env)
                if changed and len(changed) <= 40 else {})
     regressions, differences = compare(plain, zs, history)
     rounds = min((len(h["plain"]) for h in history.values()), default=0)
     meta = {"release": args.release, "ref": ref, "commit": commit, "at_tag": args.ref is None, "all": args.all,
             "only": args.only or [], "rounds": rounds, "reruns_asked": args.reruns if history else 0,
-            "stop_at": zs.get("stop_at"), "resumed": args.resume,
+            "stop_at": zs.get("stop_at"), "resumed": args.resume, "zeroshim_env": zs_env,
             "not_reached": not_reached(plain, zs),
             "pytest_args": args.pytest_args, "probe": "yes; applied in " + "; ".join(ranks),
             "versions": ", ".join(f"{p} {version(p)}" for p in ("torch", "deepspeed", "transformers", "zeroshim"))}
