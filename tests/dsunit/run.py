@@ -173,6 +173,24 @@ def clean_shm(before: set) -> None:
     _launch.remove_new_shm_buffers(before)
 
 
+def keep_probe(extra: list[str]) -> list[str]:
+    """pytest arguments with every ``-k EXPR`` widened to ``(EXPR) or <the probe>``: a ``-k`` that
+    deselected the probe would end each run with "the probe failed"."""
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg == "-k" and i + 1 < len(extra):
+            out += ["-k", f"({extra[i + 1]}) or test_zeroshim_in_every_rank"]
+            i += 2
+            continue
+        if arg.startswith("-k") and len(arg) > 2:
+            out.append(f"-k({arg[2:]}) or test_zeroshim_in_every_rank")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: list[str], name: str = "",
                stop_at: float | None = None, zs_env: dict | None = None) -> dict:
     """One pytest run of ``ids``.  ``stop_at`` (epoch seconds): pytest gets SIGINT then, so it ends after
@@ -183,7 +201,7 @@ def pytest_run(mode: str, tests_dir: Path, ids: list[str], out: Path, extra: lis
     env.update(ZS_DSUNIT_OUTCOMES=str(out / f"{name}.json"), ZS_DSUNIT_PROBE=str(out / f"probe.{name}"),
                ZS_DSUNIT_EXPECT="on" if mode == "zeroshim" else "off")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "zs_outcomes",
-           "--forked", "-rfEs", *extra, *ids]
+           "--forked", "-rfEs", *keep_probe(extra), *ids]
     zslog = out / f"{name}-records"
     harnesslog = out / f"{name}-harness"
     harnesslog.mkdir()
