@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-from _launch import master_port
+from _launch import master_port, system_used_mb
 
 CONFIGS = {  # name -> (ZeRO stage, checkpointing, import zeroshim)
     "a": (3, True, True),
@@ -181,18 +181,8 @@ def run_config(args, name):
     return result
 
 
-def used_mib():
-    """Memory in use on the whole machine (MemTotal - MemAvailable), MiB; None where /proc/meminfo is absent."""
-    try:
-        with open("/proc/meminfo") as fh:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in fh}
-        return (info["MemTotal"] - info["MemAvailable"]) / 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
-
-
 class SystemMemory:
-    """The whole job's peak host memory, system-wide: the most ``used_mib()`` rose above its value before the
+    """The whole job's peak host memory, system-wide: the most ``system_used_mb()`` rose above its value before the
     launch, sampled every 0.2 s while it runs.  Counts all ranks and the launcher once each (shared library pages
     once, not per rank as RSS does), and anything else the machine runs meanwhile: run it on a quiet machine."""
 
@@ -201,7 +191,7 @@ class SystemMemory:
         self._stop = threading.Event()
 
     def __enter__(self):
-        self._base = used_mib()
+        self._base = system_used_mb()
         if self._base is not None:
             self._top = self._base
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -210,7 +200,7 @@ class SystemMemory:
 
     def _sample(self):
         while not self._stop.wait(0.2):
-            now = used_mib()
+            now = system_used_mb()
             if now is not None and now > self._top:
                 self._top = now
 
