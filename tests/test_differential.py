@@ -107,3 +107,31 @@ def test_fp16_mode(monkeypatch):
     assert differential.fp16_mode(True) == "adapted" and __import__("os").environ["ZS_DIFF_FP16_ON_CPU"] == "1"
     monkeypatch.setattr(differential, "fp16_runnable", lambda: True)
     assert differential.fp16_mode(True) == "native"
+
+
+@pytest.mark.parametrize("reference, counters, expected, note", [
+    (_result([1.0, 0.4]), {"scheduler_dropped_groups": {"dropped_groups": 1}}, "fixed",
+     "equal to the reference without checkpointing, run with only scheduler_dropped_groups"),
+    (_result([1.0, 0.5]), {"scheduler_dropped_groups": {"dropped_groups": 1}}, "differ",
+     "fixed, but not to the reference without checkpointing, run with only scheduler_dropped_groups"),
+    (_result([1.0, 0.4]), {}, "fixed", "scheduler_dropped_groups did not act in the reference"),
+])
+def test_a_reference_that_crashes_on_its_own_runs_with_only_that_crashs_patch(monkeypatch, tmp_path, reference,
+                                                                               counters, expected, note):
+    """The reference (no checkpointing, without zeroshim) hits the scheduler zip() crash: it runs again with
+    zeroshim allowing only scheduler_dropped_groups, which must act, and the fixed row is compared with that."""
+    crash = _result([], ok=False, error="ValueError: zip() argument 2 is longer than argument 1")
+    reference["ranks"][0]["counters"] = counters
+    calls = []
+
+    def launch(cfg, mode, out, only=None):
+        calls.append((cfg["ckpt"], mode, only))
+        if cfg["ckpt"] != "none":
+            return {"without": _result([], ok=False, error="RuntimeError: already reduced"),
+                    "with": _result([1.0, 0.4])}[mode]
+        return crash if mode == "without" else reference
+
+    monkeypatch.setattr(differential, "launch", launch)
+    row = differential.classify(dict(CFG, ckpt="reentrant"), tmp_path)
+    assert calls[-1] == ("none", "with", "scheduler_dropped_groups"), calls
+    assert row["class"] == expected and note in row["note"], row

@@ -507,8 +507,8 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep the plain run already in the results folder (plain.json) and do the rest")
     parser.add_argument("--stop-at", metavar="HH:MM",
-                        help="stop the zeroshim run and the reruns at this time (today, local; the report lists "
-                             "the tests not reached)")
+                        help="stop the zeroshim run and the reruns at this time (local; the next such time, so "
+                             "tomorrow's if it has passed today; the report lists the tests not reached)")
     parser.add_argument("--reuse", action="store_true",
                         help="take both full runs from DIR/<release>/results.json of an earlier run; rerun and report")
     parser.add_argument("--only", action="append", metavar="TEST_ID",
@@ -540,11 +540,14 @@ def main(argv=None) -> int:
             hour, minute = (int(x) for x in args.stop_at.split(":"))
             if not (0 <= hour < 24 and 0 <= minute < 60):
                 raise ValueError
-            stop_at = time.mktime(time.localtime()[:3] + (hour, minute, 0, 0, 0, -1))
+            today = time.localtime()[:3]
+            stop_at = time.mktime(today + (hour, minute, 0, 0, 0, -1))
+            if stop_at <= time.time():  # already past today: the next such time, tomorrow (as `at` reads it)
+                stop_at = time.mktime(today[:2] + (today[2] + 1, hour, minute, 0, 0, 0, -1))
         except ValueError:
             die(f"--stop-at {args.stop_at!r}: expected HH:MM")
-        if stop_at <= time.time():
-            die(f"--stop-at {args.stop_at} has passed")
+        print(f"deepspeed_suite: stopping at {time.strftime('%Y-%m-%d %H:%M', time.localtime(stop_at))} "
+              f"(in {(stop_at - time.time()) / 3600:.1f} h)", flush=True)
     if args.reuse and args.resume:
         die("--reuse and --resume exclude each other")
     if args.reuse and zs_env:
