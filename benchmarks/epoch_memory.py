@@ -38,17 +38,19 @@ import subprocess
 import sys
 import time
 
+from _launch import system_used_mb as _system_used_mb
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- meters -----------------------------------------------------------------------------
 def system_used_mb() -> float:
-    info = {}
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0])
-    return (info["MemTotal"] - info["MemAvailable"]) / 1024
+    """zeroshim's MemTotal - MemAvailable (MiB); raises where it cannot be read: this benchmark measures
+    nothing without it."""
+    used = _system_used_mb()
+    if used is None:
+        raise OSError("/proc/meminfo: MemTotal or MemAvailable cannot be read")
+    return used
 
 
 def pss_mb(pid: int) -> float:

@@ -173,7 +173,7 @@ def launch(cfg: dict, mode: str, out: Path, only: str | None = None) -> dict:
     from zeroshim import _launch
 
     start = time.time()
-    env = _launch.clean_env(**({"ZEROSHIM_PATCHES": only} if only else {}))
+    env = _launch.clean_env(ZEROSHIM_PATCHES=only) if only else None  # None: the launcher's own clean_env
     ranks = _launch.launch(str(HERE / "train.py"), cfg["ranks"], str(out), "--mode", mode, "--config",
                            json.dumps(cfg), "--timeout", str(TIMEOUT), env=env, timeout=TIMEOUT + 120)["ranks"]
     errors = [r.get("error") for r in ranks if r and not r.get("ok")]
@@ -232,9 +232,8 @@ def classify(cfg: dict, work: Path) -> dict:
                 first = first_line(ref["error"])
                 ref = launch(ref_cfg, "with", work / f"reference-{crash}", only=crash)
                 row["seconds"] += ref["seconds"]
-                acted = ref["ok"] and any(crash in (r.get("counters") or {}) for r in ref["ranks"])
                 how += f", run with only {crash} (without it: {first})"
-                if ref["ok"] and not acted:
+                if ref["ok"] and not any(crash in (r.get("counters") or {}) for r in ref["ranks"]):
                     ref = {"ok": False, "error": f"{crash} did not act in the reference"}
             if not ref["ok"]:
                 row["note"] = f"reference (no checkpointing) failed: {first_line(ref['error'])}"
