@@ -225,6 +225,25 @@ def test_bypass_probe_notices_a_replaced_class(monkeypatch):
     assert zeroshim.status()["nonreentrant_checkpoint"].state == "bypassed"
 
 
+def test_the_wrapper_is_reached_and_recognises_torch_s_call_on_this_torch():
+    """A real reentrant call of torch's checkpoint reaches the wrapper, which tells that it is
+    CheckpointFunction's (torch 2.14 moved Function.apply to C, where wrapt binds it with no instance:
+    the patch was applied there and converted nothing)."""
+    ncp._probe_result.clear()
+    assert ncp._reached() is None
+    assert ncp._owner(tuc.CheckpointFunction.apply.__wrapped__, None) is tuc.CheckpointFunction
+
+
+def test_a_wrapper_that_cannot_act_is_reported_not_applied(monkeypatch):
+    """Where the wrapper is reached but cannot recognise the call (what torch 2.14 did to the previous
+    release), status says so (bypassed, with the remedy) instead of "applied"."""
+    monkeypatch.setattr(ncp, "_owner", lambda wrapped, instance: None)
+    monkeypatch.setattr(ncp, "_probe_result", [])
+    found = ncp.bypass()
+    assert "cannot tell which class it was called on" in found and "use_reentrant=False" in found
+    assert zeroshim.status()["nonreentrant_checkpoint"].state == "bypassed"
+
+
 def test_the_engine_in_forward_decides_not_any_live_engine(layer):
     """A ZeRO-3 engine that has run stays alive (its hooks hold it); a ZeRO-0
     engine's forward must still convert nothing."""

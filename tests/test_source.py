@@ -50,3 +50,80 @@ def test_fingerprint_without_source_leaves_the_version_to_decide():
                            fingerprint=Fingerprint("zs_no_such_module_anywhere", "x", "the thing"))
     verdict, reason = _core.gate_verdict(patch)
     assert verdict is True and "source fingerprint not checked" in reason
+
+
+# -- the function that actually runs (zeroshim._source.reaches) ------------------------
+def test_reaches_reads_through_decorators_overloads_and_helpers(source_module):
+    """The shape of torch 2.14's checkpoint(): @overload stubs, a functools.wraps decorator (as
+    torch._disable_dynamo), and the call moved into a helper of the same module."""
+    import importlib
+
+    module = importlib.import_module(source_module(
+        "import functools\n"
+        "from typing import overload\n"
+        "def disable(fn):\n"
+        "    @functools.wraps(fn)\n"
+        "    def inner(*a, **k):\n"
+        "        return fn(*a, **k)\n"
+        "    return inner\n"
+        "@overload\n"
+        "def run(x: int) -> int: ...\n"
+        "@overload\n"
+        "def run(x: str) -> str: ...\n"
+        "@disable\n"
+        "def run(x):\n"
+        "    return _impl(x)\n"
+        "def _impl(x):\n"
+        "    return Target.apply(x, True)\n"
+        "class Target:\n"
+        "    @staticmethod\n"
+        "    def apply(*a):\n"
+        "        return a\n"))
+    from zeroshim._source import reaches
+
+    found, where = reaches(module.run, r"Target\.apply\(x, True\)", "the call")
+    assert found is True and where == f"the call is in {module.__name__}._impl"
+    found, where = reaches(module.run, r"never_written", "the call")
+    assert found is False and f"{module.__name__}._impl" in where and f"{module.__name__}.run" in where
+    found, _ = reaches(module.run, r"Target\.apply", depth=0)  # the helper is one call deep
+    assert found is False
+
+
+def test_reaches_without_source_says_it_cannot_tell():
+    """A build without .py files: None ("cannot tell"), never False (which would turn a patch off)."""
+    from zeroshim._source import reaches
+
+    found, why = reaches(len, r"anything")
+    assert found is None and "no source" in why
+
+    ns = {}
+    exec(compile("def f():\n    return 1\n", "<no file>", "exec"), ns)
+    assert reaches(ns["f"], r"return 1")[0] is None
+
+
+def test_torch_s_own_checkpoint_reaches_the_reentrant_call():
+    """On the installed torch (2.13.0, 2.14.1 or 2.15.0 in the matrix): the source check of
+    nonreentrant_checkpoint finds CheckpointFunction.apply(function, preserve, ...) in what checkpoint()
+    runs, so the patch applies (on 2.14/2.15 it had been skipped as "target changed")."""
+    pytest.importorskip("torch")
+    import torch.utils.checkpoint as cp
+
+    from zeroshim._source import reaches
+    from zeroshim.patches.nonreentrant_checkpoint import REENTRANT_CALL
+
+    found, where = reaches(cp.checkpoint, REENTRANT_CALL)
+    assert found is True, where
+
+
+def test_stale_build_lock_s_fingerprint_follows_torch_s_lock():
+    """torch < 2.14 locks JIT builds with FileBaton (a file only its removal releases: the bug); 2.14.0 and
+    later with an flock (pytorch #189245: released when the holder dies).  The fingerprint and the version
+    range agree on the installed torch."""
+    torch = pytest.importorskip("torch")
+    from zeroshim import _versions
+    from zeroshim._source import check
+    from zeroshim.patches.stale_build_lock import PATCH
+
+    bug, seen = check(PATCH.fingerprint)
+    assert bug is (_versions.base_version(torch.__version__) < _versions.base_version("2.14")), seen
+    assert _core.gate_verdict(PATCH)[0] is bug

@@ -61,3 +61,85 @@ def check(fingerprint: Fingerprint) -> "Tuple[Optional[bool], str]":
     found = re.search(fingerprint.pattern, text) is not None
     bug = found if fingerprint.bug_when == "present" else not found
     return bug, f"{fingerprint.what} is {'in' if found else 'not in'} {path}"
+
+
+# -- the function that actually runs ------------------------------------------------------------
+def _inner_functions(func) -> list:
+    """What a decorator's wrapper runs: its ``__wrapped__`` chain (``functools.wraps``; torch's
+    ``_disable_dynamo``), a ``functools.partial``'s function, a bound method's function, and the
+    functions held in its closure (wrappers that do not use ``functools.wraps``)."""
+    out = []
+    for attr in ("__wrapped__", "__func__", "func"):
+        value = getattr(func, attr, None)
+        if callable(value):
+            out.append(value)
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(value) and getattr(value, "__code__", None) is not None:
+            out.append(value)
+    return out
+
+
+def _source_of(func) -> "Optional[str]":
+    """The source of the definition this function object was made from (its own code object: the
+    definition that runs, never an ``@overload`` stub above it), or None."""
+    import inspect
+
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return None
+    try:
+        return inspect.getsource(code)
+    except (OSError, TypeError):
+        return None
+
+
+def reaches(func, pattern: str, what: str = "", depth: int = 3) -> "Tuple[Optional[bool], str]":
+    """Does calling ``func`` run code whose source matches ``pattern`` (a regex)?  ``(True, where)``
+    when the pattern is in the source of the function that actually runs -- through decorators
+    (``__wrapped__`` chains, closures) -- or of a function of the same module that it calls by name
+    (``depth`` calls deep: a refactor that moves the body into a helper, such as torch 2.14's
+    ``checkpoint`` -> ``_checkpoint_impl``); ``(False, what was read)`` when every function reached
+    had source and none matched; ``(None, why)`` when no source could be read at all (a build
+    without ``.py`` files): then the caller must not conclude that its target changed.  ``what``
+    names the pattern for people."""
+    regex = re.compile(pattern)
+    what = what or repr(pattern)
+    seen: set = set()
+    read: list = []
+    frontier = [func]
+    for _level in range(depth + 1):
+        following = []
+        for candidate in frontier:
+            for current in [candidate, *_inner_functions(candidate)]:
+                code = getattr(current, "__code__", None)
+                if code is None or id(code) in seen:
+                    continue
+                seen.add(id(code))
+                source = _source_of(current)
+                if source is None:
+                    continue
+                name = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', code.co_name)}"
+                if name not in read:
+                    read.append(name)
+                if regex.search(source):
+                    return True, f"{what} is in {name}"
+                namespace = getattr(current, "__globals__", None)
+                if not isinstance(namespace, dict):
+                    continue
+                for called in code.co_names:  # functions of the same module it names (calls)
+                    value = namespace.get(called)
+                    value_code = getattr(value, "__code__", None)
+                    if value_code is not None and value_code.co_filename == code.co_filename:
+                        following.append(value)
+                    elif value_code is None and callable(value) and _inner_functions(value):
+                        following.append(value)  # a decorated helper of the same module
+        frontier = following
+        if not frontier:
+            break
+    if not read:
+        return None, "no source could be read"
+    return False, f"{what} is not in {', '.join(read)}"

@@ -44,8 +44,13 @@ Flag
 
 Fix
     ``torch.utils.checkpoint.checkpoint`` reaches reentrant mode through one
-    call, ``CheckpointFunction.apply(function, preserve_rng_state, *args)``.
-    zeroshim wraps that classmethod: while a DeepSpeed engine with ZeRO stage
+    call, ``CheckpointFunction.apply(function, preserve_rng_state, *args)``
+    (in ``checkpoint`` itself up to torch 2.13, in the ``_checkpoint_impl``
+    it calls from 2.14; the apply check reads the function that runs and the
+    module's helpers it calls, through ``torch._disable_dynamo``).  zeroshim
+    wraps that classmethod (a Python classmethod of ``Function`` up to torch
+    2.13, the C one of ``torch._C._FunctionBase`` from 2.14; the class it was
+    called on is read from either): while a DeepSpeed engine with ZeRO stage
     >= 1 is alive, the call is re-issued as ``checkpoint(function, *args,
     use_reentrant=False, preserve_rng_state=...)``.  Because the switch happens
     at the call, it reaches every way of getting there: direct calls,
@@ -311,11 +316,25 @@ def _hook_reduction_in_use() -> bool:
 
 
 # -- wrappers -------------------------------------------------------------------------
+def _owner(wrapped, instance):
+    """The class ``apply`` was called on.  torch <= 2.13 defines ``Function.apply`` as a Python classmethod,
+    which wrapt binds with the class as ``instance``; from 2.14 it is the C classmethod of
+    ``torch._C._FunctionBase`` (a ``classmethod_descriptor``), which wrapt binds with ``instance=None``: the
+    class is then the bound method's ``__self__``.  A subclass calling ``apply`` is itself the owner."""
+    if isinstance(instance, type):
+        return instance
+    return getattr(wrapped, "__self__", None)
+
+
 def _reentrant_apply(wrapped, instance, args, kwargs):
     """Wraps ``CheckpointFunction.apply(function, preserve_rng_state, *args)``."""
+    probe = getattr(_local, "probe", None)
+    if probe is not None:  # _reached(): record what this wrapper sees, change nothing
+        probe.append(_owner(wrapped, instance))
+        return wrapped(*args, **kwargs)
     reroute = None
     with guard(NAME):
-        if is_active(NAME) and _torch and instance is _torch["cls"] and len(args) >= 2 and not kwargs:
+        if is_active(NAME) and _torch and _owner(wrapped, instance) is _torch["cls"] and len(args) >= 2 and not kwargs:
             stage = active_zero_stage()
             if stage:
                 if id(args[0]) in _busy():
@@ -423,9 +442,47 @@ def _entry_points():
                 break  # transformers sets the same partial on every layer
 
 
+def _probe_function(x):
+    return x * 2
+
+
+#: the probe's finding, once per process (None: the wrapper is reached and recognises the call)
+_probe_result: list = []
+
+
+def _reached() -> "str | None":
+    """Does a reentrant call of torch's own ``checkpoint`` reach the wrapper, and can the wrapper tell that it
+    is ``CheckpointFunction``'s?  A real call on a one-element tensor, run once per process (at the first
+    engine creation or ``status()``): the structure of torch's checkpointing changes between releases
+    (torch 2.14 moved ``apply`` to C, where wrapt binds it without the class), and a wrapper that is reached
+    but cannot act would leave the patch "applied" while it converts nothing."""
+    if _probe_result:
+        return _probe_result[0]
+    import torch
+
+    seen = _local.probe = []
+    try:
+        with torch.enable_grad():
+            _torch["checkpoint"](_probe_function, torch.ones(1, requires_grad=True), use_reentrant=True,
+                                 preserve_rng_state=False)
+    except Exception as exc:  # noqa: BLE001 (said as the finding)
+        finding = f"a reentrant checkpoint call failed in zeroshim's probe ({type(exc).__name__}: {exc})"
+    else:
+        if not seen:
+            finding = "torch's reentrant checkpoint no longer calls the wrapped CheckpointFunction.apply"
+        elif seen[0] is not _torch["cls"]:
+            finding = f"the wrapper of CheckpointFunction.apply cannot tell which class it was called on (saw {seen[0]!r})"
+        else:
+            finding = None
+    finally:
+        _local.probe = None
+    _probe_result.append(finding)
+    return finding
+
+
 def bypass():
-    """None while reentrant checkpoint calls still reach the wrapper, else what
-    took it out of the path."""
+    """None while reentrant checkpoint calls still reach the wrapper (and the wrapper recognises them),
+    else what took it out of the path."""
     if not _torch:
         return None
     consequence = ("so zeroshim cannot run reentrant checkpointing as non-reentrant under ZeRO: a checkpointed module "
@@ -439,6 +496,13 @@ def bypass():
     for where, func in _entry_points():
         if func is not None and not _reaches(func, _torch["checkpoint"]):
             return f"{where} is {_qualname(func)}, which does not call torch's checkpoint(), {consequence}"
+    finding = _reached()
+    if finding:
+        return (f"{finding}, so zeroshim cannot run reentrant checkpointing as non-reentrant under ZeRO on this "
+                "torch: a checkpointed module that runs more than once per step will fail with 'has already been "
+                "reduced' (ZeRO-1/2) or the ds_id assertion (ZeRO-3); pass use_reentrant=False (transformers: "
+                "gradient_checkpointing_kwargs={'use_reentrant': False}), and please report this with your torch "
+                "version")
     return None
 
 
@@ -465,24 +529,27 @@ def _torch_checkpoint(module):
     raise TargetChanged("torch.utils.checkpoint.checkpoint is neither torch's own function nor a wrapper of it")
 
 
+#: the reentrant path's one call, in torch's checkpoint() itself (torch <= 2.13) or in a helper of the same
+#: module it calls (torch 2.14 and 2.15: checkpoint() -> _checkpoint_impl())
+REENTRANT_CALL = r"CheckpointFunction\.apply\(\s*function\s*,\s*preserve"
+
+
 def patch_torch_checkpoint(module, patcher: Patcher) -> None:
-    import inspect
+    from zeroshim import _source
 
     function_cls = require_attr(module, "CheckpointFunction")
     require(isinstance(function_cls, type), "torch.utils.checkpoint.CheckpointFunction is not a class")
     require_attr(function_cls, "apply")
     genuine = _torch_checkpoint(module)
     require_params(genuine, "use_reentrant")
-    try:
-        source = inspect.getsource(inspect.unwrap(genuine))
-    except (OSError, TypeError):
-        source = None  # no source shipped: trust the signature check
-    if source is not None:
-        require("CheckpointFunction.apply(function, preserve" in source,
-                "torch.utils.checkpoint.checkpoint no longer calls CheckpointFunction.apply(function, preserve, ...)")
+    # The function that runs (through torch's decorators) and the module's helpers it calls; where no
+    # source can be read (a build without .py files), the signature check above decides.
+    found, seen = _source.reaches(genuine, REENTRANT_CALL, "CheckpointFunction.apply(function, preserve, ...)")
+    require(found is not False, f"torch.utils.checkpoint.checkpoint no longer reaches the reentrant call: {seen}")
     patcher.wrap(function_cls, "apply", _reentrant_apply)
     _torch.update(checkpoint=genuine, cls=function_cls, module=module)
     patcher.on_undo(_torch.clear)
+    patcher.on_undo(_probe_result.clear)
 
 
 def patch_deepspeed_engine(module, patcher: Patcher) -> None:
