@@ -28,11 +28,19 @@ Cause
     polls for good.
 
 Affected versions
-    Every torch release read (``torch.utils.file_baton`` has no notion of a dead
-    holder; read in torch 2.13.0, where ``_jit_compile`` still creates
-    ``FileBaton(os.path.join(build_directory, 'lock'))`` without a time
-    limit), hence every DeepSpeed release that JIT-builds ops
-    (``DS_BUILD_OPS=0``, the default of ``pip install deepspeed``).
+    torch < 2.14, with every DeepSpeed release that JIT-builds ops
+    (``DS_BUILD_OPS=0``, the default of ``pip install deepspeed``):
+    ``torch.utils.file_baton`` has no notion of a dead holder, and
+    ``_jit_compile`` creates ``FileBaton(os.path.join(build_directory,
+    'lock'))`` without a time limit (read in the torch 2.13.0 wheel).  torch
+    2.14.0 fixed it (pytorch #189245): ``_jit_compile`` holds an OS-level
+    advisory lock (``FileLock``, ``flock``), which the kernel releases when
+    its holder dies, so a killed build leaves nothing to wait on (read in the
+    2.14.0, 2.14.1 and 2.15.0 wheels; shown in ``tests/test_stale_build_lock.py``:
+    the stale lock of the reproduction is taken at once there without
+    zeroshim).  The gate is the source: the patch acts where ``_jit_compile``
+    still uses ``FileBaton`` (a fingerprint of ``torch.utils.cpp_extension``),
+    whatever the version number says.
 
 Flag
     ``ZEROSHIM_STALE_BUILD_LOCK=auto|on|off`` (default ``auto``).
@@ -82,6 +90,7 @@ import time
 from zeroshim import _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr
+from zeroshim._source import Fingerprint
 
 NAME = "stale_build_lock"
 #: a lock younger than this (seconds since it was created) is never taken for stale
@@ -300,8 +309,11 @@ PATCH = Patch(
     summary="a run hangs for good at DeepSpeed's first JIT-built op (init_distributed, initialize): torch's "
             "build lock was left by a build that was killed",
     signatures=(),  # a hang prints nothing
-    versions="every torch release (JIT-built DeepSpeed ops, DS_BUILD_OPS=0)",
-    affects={"torch": ""},
+    versions="torch < 2.14 (JIT-built DeepSpeed ops, DS_BUILD_OPS=0); 2.14.0 locks with flock",
+    affects={"torch": "<2.14"},
+    fingerprint=Fingerprint("torch.utils.cpp_extension", r"FileBaton\(os\.path\.join\(build_directory",
+                            "_jit_compile's lock file that only its removal releases (FileBaton; torch 2.14 "
+                            "holds a FileLock, pytorch #189245)"),
     targets={"torch.utils.file_baton": patch_baton, "torch.utils.cpp_extension": patch_cpp_extension},
     on_undo=_reset,
 )
