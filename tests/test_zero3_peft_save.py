@@ -82,3 +82,28 @@ def test_status_and_action(ranks):
         assert rank["stats"] == {"gathered": 2, "alone": 2, "skipped": 0 if index == 0 else 2,
                                  "trainer_gathered": int(TRAINER_AFFECTED and index == 0)}
         assert ("wrapped" in rank["trainer_target"]) == TRAINER_AFFECTED
+
+
+def test_an_unreadable_trainer_source_never_turns_the_patch_off(monkeypatch):
+    """A build without .py files: the transformers version decides whether Trainer gathers peft models itself;
+    the patch is never skipped as "target changed" for want of the source."""
+    import inspect
+
+    import transformers.trainer
+
+    from zeroshim._patcher import Patcher
+    from zeroshim.patches import zero3_peft_save as patch
+
+    def unreadable(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", unreadable)
+    monkeypatch.setattr(patch, "_where", {})
+    patcher = Patcher(NAME)
+    try:
+        patch.patch_trainer(transformers.trainer, patcher)  # raises TargetChanged if the source decided
+        said = patch._where["trainer"]
+        assert said == ("Trainer.save_model and Trainer._save wrapped" if TRAINER_AFFECTED
+                        else "Trainer.save_model gathers peft models under ZeRO-3 itself")
+    finally:
+        patcher.undo()

@@ -201,11 +201,18 @@ def patch_trainer(module, patcher: Patcher) -> None:
     try:
         source = inspect.getsource(inspect.unwrap(save_model))
     except (OSError, TypeError):
-        source = ""
-    if "exclude_frozen_parameters=True" in source:  # transformers >= 5.0 (#41416) gathers peft models itself
+        source = None  # no source shipped: the version decides, never "target changed"
+    if source is None:
+        from zeroshim import _versions
+
+        gathers = _versions.in_range(_versions.installed("transformers") or "0", ">=5.0")
+    else:
+        gathers = "exclude_frozen_parameters=True" in source
+    if gathers:  # transformers >= 5.0 (#41416) gathers peft models itself
         _where["trainer"] = "Trainer.save_model gathers peft models under ZeRO-3 itself"
         return
-    require("state_dict={}" in source, "Trainer.save_model has no _save(output_dir, state_dict={}) fallback")
+    if source is not None:
+        require("state_dict={}" in source, "Trainer.save_model has no _save(output_dir, state_dict={}) fallback")
     require_params(require_attr(cls, "_save"), "output_dir", "state_dict")
     _where["is_peft_model"] = getattr(module, "_is_peft_model", None) or _is_peft_model
     patcher.wrap(cls, "save_model", _save_model)
