@@ -50,6 +50,30 @@ def test_doctor_reports_versions_and_verdicts(tmp_path):
         assert name in text
 
 
+def test_doctor_says_when_the_stack_is_newer_than_the_newest_tested(tmp_path):
+    """The matrix's own stack is within what was tested; a torch newer than the newest tested (a
+    dist-info directory first on the path, as pip leaves one) is named, with the remedy; the first line
+    zeroshim logs at INFO says the same."""
+    tested = _versions.NEWEST_TESTED
+    out = cli("doctor", "--json", cwd=tmp_path)
+    report = json.loads(out.stdout)
+    assert report["newest_tested"] == tested
+    newer_here = {p: v for p, v, t in _versions.newer_than_tested()}
+    assert {e["package"] for e in report["newer_than_tested"]} == set(newer_here)
+    assert "deepspeed" not in newer_here  # the matrix's own releases are tested
+    fake = tmp_path / "site"
+    (fake / "torch-2.99.0.dist-info").mkdir(parents=True)
+    env = {"PYTHONPATH": str(fake)}
+    text = cli("doctor", env=env, cwd=tmp_path).stdout
+    assert f"torch 2.99.0 is newer than the newest tested, {tested['torch']}" in text, text
+    assert "run `zeroshim prove`" in text
+    log = subprocess.run([sys.executable, "-c", "import zeroshim, torch.utils.checkpoint, deepspeed.runtime.engine"],
+                         env={**clean_env(), **env, "ZEROSHIM_LOG_LEVEL": "INFO"}, capture_output=True, text=True,
+                         cwd=tmp_path).stderr
+    lines = [line for line in log.splitlines() if "zeroshim" in line]
+    assert lines and "tested up to torch" in lines[0] and "torch 2.99.0 is newer" in lines[0], log
+
+
 def test_doctor_names_the_disabling_flag(tmp_path):
     out = cli("doctor", "--json", env={"ZEROSHIM_NONREENTRANT_CHECKPOINT": "off"}, cwd=tmp_path)
     entry = {p["patch"]: p for p in json.loads(out.stdout)["patches"]}["nonreentrant_checkpoint"]

@@ -85,3 +85,33 @@ def test_readme_block_is_generated_from_the_declarations():
         "README.md's patch block is stale: run `python -m zeroshim._docs README.md`"
     for name in NAMES:
         assert f"| [`{name}`](#{name}) |" in readme
+
+
+def _noxfile_literal(name: str):
+    """A module-level literal of noxfile.py (read, not imported: nox need not be installed here)."""
+    tree = ast.parse((REPO / "noxfile.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"noxfile.py has no {name} = <literal>")
+
+
+def test_newest_tested_is_the_newest_pin_of_the_ci_matrix():
+    """doctor's "newer than the newest tested" (zeroshim._versions.NEWEST_TESTED) states the matrix's newest
+    pins, which live in noxfile.py: the two may not drift."""
+    from packaging.version import Version
+
+    from zeroshim import _versions
+
+    matrix, torch_of = _noxfile_literal("MATRIX"), _noxfile_literal("TORCH_OF")
+    pins = {"torch": [_noxfile_literal("TORCH_DEFAULT")] + [v for k, v in torch_of.items() if k in matrix]}
+    for packages in matrix.values():
+        for spec in packages:
+            name, _, version = spec.partition("==")
+            if name in ("deepspeed", "transformers") and version:
+                pins.setdefault(name, []).append(spec)
+    newest = {}
+    for name, specs in pins.items():
+        versions = [s.partition("==")[2].removesuffix(".*") for s in specs]
+        newest[name] = max(versions, key=Version)
+    assert newest == _versions.NEWEST_TESTED

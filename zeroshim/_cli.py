@@ -86,6 +86,9 @@ def _installed_others() -> list:
 def doctor(args) -> int:
     versions = {p: _versions.installed(p) for p in PACKAGES}
     report = {"python": sys.version.split()[0], "versions": versions, "patches": _verdicts(),
+              "newest_tested": dict(_versions.NEWEST_TESTED),
+              "newer_than_tested": [{"package": p, "installed": v, "newest_tested": t}
+                                    for p, v, t in _versions.newer_than_tested()],
               "flags": {k: v for k, v in os.environ.items() if k.upper().startswith(_flags.PREFIX)},
               "others": _installed_others()}
     status = EXIT_OK
@@ -108,6 +111,7 @@ def doctor(args) -> int:
     print(f"zeroshim {_version()} on Python {report['python']}")
     for name, version in versions.items():
         print(f"  {name:<13} {version or 'not installed'}")
+    print(f"  {_versions.tested_line()}")
     print("\npatches:")
     width = max(len(p["patch"]) for p in report["patches"])
     for p in report["patches"]:

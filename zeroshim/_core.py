@@ -397,6 +397,10 @@ def _on_import(name: str, module_name: str, module: object) -> None:
 def _refresh(patch: Patch, state: _State) -> None:
     if state.state == PENDING and state.done.issuperset(patch.required):
         state.state = APPLIED
+        if log.isEnabledFor(logging.INFO):  # the first line: what zeroshim was tested on (reads versions: ~1 ms)
+            from . import __version__
+
+            _log.info("zeroshim %s: %s", __version__, _versions.tested_line(), once=("tested",))
         _log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
 
 

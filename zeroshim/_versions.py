@@ -29,6 +29,43 @@ DISTRIBUTIONS = {
 }
 
 
+#: The newest releases the patches were proven on: the newest pins of the CI matrix (noxfile.py's MATRIX and
+#: TORCH_OF; tests/test_completeness.py keeps the two equal).  A pin given to the minor release ("5.23")
+#: covers its patch releases.
+NEWEST_TESTED = {"torch": "2.15.0", "deepspeed": "0.19.8", "transformers": "5.23"}
+
+
+def _release(version: str, parts: int) -> "Tuple[int, ...]":
+    return tuple(base_version(version).release[:parts])
+
+
+def newer_than_tested() -> "list":
+    """``[(package, installed, newest tested)]`` for each installed package of :data:`NEWEST_TESTED` that is
+    newer than the newest release zeroshim was tested on (local labels such as ``+cu132`` ignored)."""
+    out = []
+    for package, tested in NEWEST_TESTED.items():
+        version = installed(package)
+        if version is None:
+            continue
+        try:
+            parts = len(tested.split("."))
+            if _release(version, parts) > _release(tested, parts):
+                out.append((package, version, tested))
+        except Exception:  # an unreadable version number says nothing
+            continue
+    return out
+
+
+def tested_line() -> str:
+    """One sentence: the newest tested releases, and which installed ones are newer (with the remedy)."""
+    tested = ", ".join(f"{p} {v}" for p, v in NEWEST_TESTED.items())
+    newer = newer_than_tested()
+    if not newer:
+        return f"tested up to {tested}"
+    said = "; ".join(f"{p} {v} is newer than the newest tested, {t}" for p, v, t in newer)
+    return f"tested up to {tested}; {said}: run `zeroshim prove` to check the patches on this stack"
+
+
 def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
