@@ -17,12 +17,14 @@
     nox -s packaging        build the sdist and wheel, check the wheel's files, install it beside
                             old pins (DeepSpeed 0.12.3, transformers 4.34.0): nothing may move
 
-Each session is its own virtual environment with torch 2.13.0, CPU build.  On
-the CI machine pip takes that wheel from local disk; elsewhere ``torch==2.13.0``
-from PyPI is a CUDA build of several GB, so set ``NOX_TORCH_INDEX_URL`` (e.g.
-``https://download.pytorch.org/whl/cpu``) to take the CPU build from PyTorch's
-index, or ``NOX_TORCH`` to test another torch.  The pins live here, never in
-pyproject.toml.
+Each session is its own virtual environment.  torch is an axis (``TORCH_OF``):
+2.13.0 (CPU build; on the CI machine pip takes that wheel from local disk) for
+ds0.14.1, ds0.16.9, the clients and packaging; 2.14.1 for ds0.19.2; 2.15.0 for
+ds0.19.8 (both CUDA builds from PyPI that run on the CPU).  Elsewhere, set
+``NOX_TORCH_INDEX_URL`` (e.g. ``https://download.pytorch.org/whl/cpu``) to take
+CPU builds from PyTorch's index, ``NOX_WHEELHOUSE`` to a folder of downloaded
+wheels, or ``NOX_TORCH`` to test another torch everywhere.  The pins live here,
+never in pyproject.toml.
 """
 
 import glob
@@ -36,8 +38,13 @@ nox.options.reuse_existing_virtualenvs = not os.environ.get("CI")
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests "clients(framework='accelerate')" packaging`)
 
-TORCH = os.environ.get("NOX_TORCH", "torch==2.13.0")
+TORCH = os.environ.get("NOX_TORCH")  # overrides every session's torch (e.g. "torch==2.16.0")
+TORCH_DEFAULT = "torch==2.13.0"
 TORCH_INDEX_URL = os.environ.get("NOX_TORCH_INDEX_URL")  # e.g. https://download.pytorch.org/whl/cpu
+# A folder of wheels built once with `pip download` (e.g. torch 2.15.0's ~3 GB of CUDA wheels): pip looks
+# there first.  pip's HTTP cache stays empty on these machines, so without it every new venv downloads
+# them again.  Unset in CI (each environment is built once there).
+WHEELHOUSE = os.environ.get("NOX_WHEELHOUSE")
 
 # name -> packages installed on top of torch (DeepSpeed builds with DS_BUILD_OPS=0).
 # Why these: 0.14.1 is the oldest DeepSpeed with a CPU accelerator that works
@@ -52,6 +59,13 @@ MATRIX = {
     "ds0.19.2": ["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"],
     "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
 }
+# torch is an axis of the matrix (issue #46): the newest DeepSpeed on the newest torch, 0.19.2 (inside
+# the ranges of the most invasive patches, transformers 4.57 checkpointing reentrantly by default) on
+# the torch before it, the older releases on 2.13.0.  Each torch release thus runs the whole suite with
+# a DeepSpeed that installs beside it; the clients and packaging sessions stay on TORCH_DEFAULT.
+# torch 2.14.1 and 2.15.0 are CUDA builds (about 5.5 GB in a venv; they run on the CPU): a bit-for-bit
+# claim holds within one environment, never across the CPU and CUDA builds.
+TORCH_OF = {"ds0.19.2": "torch==2.14.1", "ds0.19.8": "torch==2.15.0", "canary": "torch"}
 DEMO_ENV = "ds0.19.8"
 # Environments whose DeepSpeed predates numpy 2 support: numpy 2 is also put in a
 # side directory, and tests/test_numpy2_compat.py runs DeepSpeed with it first on
@@ -80,17 +94,39 @@ PREBUILD_COMM_OP = ("import sys\n"
                     "build_shm_op()\n")
 
 
-def _install_torch(session):
+def _torch_spec(env_name=None) -> str:
+    return TORCH or TORCH_OF.get(env_name, TORCH_DEFAULT)
+
+
+_SESSION_TORCH: dict = {}  # session name -> its torch requirement (nox's Session takes no attributes)
+
+
+def _pip_env(session, **extra) -> dict:
+    """The environment of every `pip install` of a session.  Where pip is capped by a constraints file
+    (these machines cap torch at 2.14.1, the newest on their disk) and the session's torch is newer, the
+    cap is lifted for the session's installs: otherwise a later install (DeepSpeed depends on torch)
+    would take torch back down to the cap."""
+    env = dict(extra)
+    if _SESSION_TORCH.get(session.name, TORCH_DEFAULT) != TORCH_DEFAULT:
+        env["PIP_CONSTRAINT"] = "/dev/null"
+    return env
+
+
+def _install_torch(session, env_name=None):
+    spec = _SESSION_TORCH[session.name] = _torch_spec(env_name)
+    args = [spec]
     if TORCH_INDEX_URL:
-        session.install(TORCH, "--index-url", TORCH_INDEX_URL)
-    else:
-        session.install(TORCH)
+        args += ["--index-url", TORCH_INDEX_URL]
+    if WHEELHOUSE:
+        args += ["--find-links", WHEELHOUSE]
+    session.install(*args, env=_pip_env(session))
 
 
 def _install(session, env_name):
-    _install_torch(session)
-    session.install(*MATRIX[env_name], env={"DS_BUILD_OPS": "0"})
-    session.install(".[test]")
+    _install_torch(session, env_name)
+    # torch named again: nothing else in the environment may move it
+    session.install(_SESSION_TORCH[session.name], *MATRIX[env_name], env=_pip_env(session, DS_BUILD_OPS="0"))
+    session.install(".[test]", env=_pip_env(session))
 
 
 @nox.session
@@ -129,16 +165,21 @@ def demo(session):
 
 @nox.session
 def canary(session):
-    """The newest DeepSpeed, transformers, peft and accelerate (unpinned; torch as
-    above): the whole suite.  Every patch must apply to a bug that still exists
-    or report "not affected" -- never "target changed" (tests/test_patch_kit.py)
-    -- and every reproduction must still fail without zeroshim where the gate
-    says it should (the scenario tests).  Run it before a release; CI skips it."""
-    _install_torch(session)
-    session.install("deepspeed", "transformers", "peft", "accelerate", env={"DS_BUILD_OPS": "0"})
-    session.install(".[test]")
+    """The newest torch, DeepSpeed, transformers, peft and accelerate (unpinned; the
+    pip cap on torch lifted): the whole suite, every test (no environment of the
+    matrix to leave any to).  Every patch must apply to a bug that still exists or
+    report "not affected" -- never "target changed" (tests/test_patch_kit.py) --
+    and every reproduction must still fail without zeroshim where the gate says it
+    should (the scenario tests).  Run it before every release and write its result
+    in benchmarks/RESULTS.md; a red canary is an issue to file.  CI skips it."""
+    _install_torch(session, "canary")
+    session.install(_SESSION_TORCH[session.name], "deepspeed", "transformers", "peft", "accelerate",
+                    env=_pip_env(session, DS_BUILD_OPS="0"))
+    session.install(".[test]", env=_pip_env(session))
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=_env(session, ZSTEST_ENV="canary"))
+    session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
+    # no ZSTEST_ENV: every test runs (nothing is left to another environment of the matrix)
+    session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *session.posargs, env=_env(session))
 
 
 # Framework -> (its pinned stack, packages installed with --no-deps, native libraries removed after
