@@ -74,6 +74,20 @@ def test_doctor_says_when_the_stack_is_newer_than_the_newest_tested(tmp_path):
     assert lines and "tested up to torch" in lines[0] and "torch 2.99.0 is newer" in lines[0], log
 
 
+def test_doctor_names_known_problems_of_the_installed_releases_together(tmp_path):
+    """torch >= 2.14 with DeepSpeed < 0.19.5: the C++20 headers against DeepSpeed's -std=c++17 (boundaries
+    written here from the sdists and wheels, not read from zeroshim._stack)."""
+    from packaging.version import Version
+
+    torch = Version(_versions.base_version(_versions.installed("torch")).base_version)
+    cpp17 = torch >= Version("2.14") and Version(DS) < Version("0.19.5")
+    report = json.loads(cli("doctor", "--json", cwd=tmp_path).stdout)
+    said = [n["problem"] for n in report["stack_notes"]]
+    assert any("-std=c++17" in p and "#178150" in p for p in said) == cpp17, said
+    text = cli("doctor", cwd=tmp_path).stdout
+    assert ("which no patch fixes" in text) == bool(said)
+
+
 def test_doctor_names_the_disabling_flag(tmp_path):
     out = cli("doctor", "--json", env={"ZEROSHIM_NONREENTRANT_CHECKPOINT": "off"}, cwd=tmp_path)
     entry = {p["patch"]: p for p in json.loads(out.stdout)["patches"]}["nonreentrant_checkpoint"]

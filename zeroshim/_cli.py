@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from . import _core, _dsconfig, _flags, _versions
+from . import _core, _dsconfig, _flags, _stack, _versions
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "accelerate", "numpy")
 
@@ -86,7 +86,7 @@ def _installed_others() -> list:
 def doctor(args) -> int:
     versions = {p: _versions.installed(p) for p in PACKAGES}
     report = {"python": sys.version.split()[0], "versions": versions, "patches": _verdicts(),
-              "newest_tested": dict(_versions.NEWEST_TESTED),
+              "newest_tested": dict(_versions.NEWEST_TESTED), "stack_notes": _stack.notes(),
               "newer_than_tested": [{"package": p, "installed": v, "newest_tested": t}
                                     for p, v, t in _versions.newer_than_tested()],
               "flags": {k: v for k, v in os.environ.items() if k.upper().startswith(_flags.PREFIX)},
@@ -118,6 +118,11 @@ def doctor(args) -> int:
         print(f"  {p['patch']:<{width}}  {p['verdict']:<11}  {p['reason']}")
         for dep, when in p["needs"].items():
             print(f"  {'':<{width}}  {'':<11}  needs {dep} for {when}: {p['needs_state'][dep]}")
+    if report["stack_notes"]:
+        print("\nknown problems of these releases together, which no patch fixes:")
+        for note in report["stack_notes"]:
+            print(f"  {', '.join(f'{p} {v}' for p, v in note['installed'].items())}: {note['problem']}. "
+                  f"Remedy: {note['remedy']}.")
     if report["others"]:
         print("\nother installed libraries that patch the same places:")
         for o in report["others"]:

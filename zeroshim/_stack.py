@@ -1,0 +1,35 @@
+"""Known problems of a combination of installed releases that no patch fixes (``zeroshim doctor`` lists the
+ones that hold here).  Each note: the ranges (every one must hold), what happens, the remedy, and where it was
+read.  Imports nothing heavy."""
+
+from __future__ import annotations
+
+from . import _versions
+
+STACK_NOTES = (
+    {"ranges": {"torch": ">=2.14", "deepspeed": "<0.19.5"},
+     "problem": "DeepSpeed compiles its C++/CUDA ops with -std=c++17 (JIT builds on a machine with a GPU, and "
+                "DS_BUILD_OPS=1 installs), and torch >= 2.14's headers stop with '#error C++20 or later "
+                "compatible compiler is required' (pytorch #178150)",
+     "remedy": "DeepSpeed >= 0.19.5 (>= 0.19.7 with CUDA 13), or torch < 2.14",
+     "evidence": "read in the DeepSpeed 0.19.4, 0.19.5 and 0.19.7 sdists (op_builder/builder.py: cxx_args, "
+                 "nvcc_args) and the torch 2.13.0 and 2.14.x headers (ATen/ATen.h); DeepSpeed #8238, #8422. On a "
+                 "machine without a GPU, DeepSpeed builds its CPU ops without -std=c++17 and nothing fails"},
+    {"ranges": {"torch": ">=2.14", "deepspeed": ">=0.19.5,<0.19.7"},
+     "problem": "with CUDA 13, DeepSpeed still passes -std=c++17 to nvcc for its .cu files, which torch >= "
+                "2.14's headers refuse",
+     "remedy": "DeepSpeed >= 0.19.7 where nvcc is CUDA 13",
+     "evidence": "read in the DeepSpeed 0.19.5 and 0.19.7 sdists (op_builder/builder.py: nvcc_args); DeepSpeed "
+                 "#8422"},
+)
+
+
+def notes() -> list:
+    """The notes whose ranges all hold for the installed releases."""
+    out = []
+    for note in STACK_NOTES:
+        versions = {p: _versions.installed(p) for p in note["ranges"]}
+        if all(v is not None and _versions.in_range(v, spec) for (p, spec), v in
+               zip(note["ranges"].items(), versions.values())):
+            out.append({**note, "installed": versions})
+    return out
