@@ -16,7 +16,7 @@ import pytest
 
 import zeroshim
 from harness import load_proof, matches, message, torchrun
-from zeroshim import _core, _prove, _versions
+from zeroshim import _prove, _versions
 
 pytestmark = pytest.mark.deepspeed
 PATCH = zeroshim.get_patch("offload_clip_device")
