@@ -103,18 +103,26 @@ _SESSION_TORCH: dict = {}  # session name -> its torch requirement (nox's Sessio
 
 def _pip_env(session, **extra) -> dict:
     """The environment of every `pip install` of a session.  Where pip is capped by a constraints file
-    (these machines cap torch at 2.14.1, the newest on their disk) and the session's torch is newer, the
-    cap is lifted for the session's installs: otherwise a later install (DeepSpeed depends on torch)
-    would take torch back down to the cap."""
+    (these machines cap torch at 2.14.1, the newest on their disk), a session whose torch is other than
+    TORCH_DEFAULT (2.15.0, an unpinned canary, NOX_TORCH) installs with the cap lifted: otherwise a later
+    install (DeepSpeed depends on torch) would take torch back down to the cap."""
     env = dict(extra)
     if _SESSION_TORCH.get(session.name, TORCH_DEFAULT) != TORCH_DEFAULT:
         env["PIP_CONSTRAINT"] = "/dev/null"
     return env
 
 
+def _pip(session, *args, **env) -> None:
+    """Every `pip install` of a session after its torch: with the session's torch named again (DeepSpeed
+    depends on torch, and nothing may move it; not for --target/--no-deps installs, which resolve nothing)
+    and the cap lifted where the session's torch is above it (``_pip_env``)."""
+    pin = [] if ("--target" in args or "--no-deps" in args) else [_SESSION_TORCH.get(session.name, TORCH_DEFAULT)]
+    session.install(*pin, *args, env=_pip_env(session, **env))
+
+
 def _install_torch(session, env_name=None):
     spec = _SESSION_TORCH[session.name] = _torch_spec(env_name)
-    args = [spec]
+    args = [spec] if "=" in spec else ["--upgrade", spec]  # unpinned (canary): the newest, even in a reused venv
     if TORCH_INDEX_URL:
         args += ["--index-url", TORCH_INDEX_URL]
     if WHEELHOUSE:
@@ -125,8 +133,8 @@ def _install_torch(session, env_name=None):
 def _install(session, env_name):
     _install_torch(session, env_name)
     # torch named again: nothing else in the environment may move it
-    session.install(_SESSION_TORCH[session.name], *MATRIX[env_name], env=_pip_env(session, DS_BUILD_OPS="0"))
-    session.install(".[test]", env=_pip_env(session))
+    _pip(session, *MATRIX[env_name], DS_BUILD_OPS="0")
+    _pip(session, ".[test]")
 
 
 @nox.session
@@ -137,7 +145,7 @@ def tests(session, env):
     extra = {"ZSTEST_ENV": env}
     if env in NUMPY2_SIDE:
         side = os.path.join(session.virtualenv.location, "numpy2")
-        session.install("--no-deps", "--target", side, NUMPY2_SIDE[env])
+        _pip(session, "--no-deps", "--target", side, NUMPY2_SIDE[env])
         extra["ZSTEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
@@ -173,9 +181,9 @@ def canary(session):
     should (the scenario tests).  Run it before every release and write its result
     in benchmarks/RESULTS.md; a red canary is an issue to file.  CI skips it."""
     _install_torch(session, "canary")
-    session.install(_SESSION_TORCH[session.name], "deepspeed", "transformers", "peft", "accelerate",
-                    env=_pip_env(session, DS_BUILD_OPS="0"))
-    session.install(".[test]", env=_pip_env(session))
+    # --upgrade: a reused environment must take the newest releases, not keep the last canary's
+    _pip(session, "--upgrade", "deepspeed", "transformers", "peft", "accelerate", DS_BUILD_OPS="0")
+    _pip(session, ".[test]")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
     # no ZSTEST_ENV: every test runs (nothing is left to another environment of the matrix)
@@ -255,9 +263,9 @@ def clients(session, framework):
     losses as the plain run wherever that trains (tests/clients/run.py; CI runs `accelerate`)."""
     pinned, no_deps, strip = CLIENTS[framework]
     _install_torch(session)
-    session.install(*pinned, env={"DS_BUILD_OPS": "0"})
+    _pip(session, *pinned, DS_BUILD_OPS="0")
     if no_deps:
-        session.install("--no-deps", *no_deps)
+        _pip(session, "--no-deps", *no_deps)
     for folder in strip:
         session.run("python", "-c", "import glob, os, sys, sysconfig; [os.remove(p) for p in glob.glob("
                     "os.path.join(sysconfig.get_path('purelib'), sys.argv[1], '*.so'))]", folder)
@@ -266,10 +274,10 @@ def clients(session, framework):
         side = os.path.join(session.virtualenv.location, "side-deepspeed")
         # not reinstalled when present: new file times would make its JIT ops rebuild (minutes here)
         if not glob.glob(os.path.join(side, CLIENT_SIDE_DEEPSPEED[framework].replace("==", "-") + ".dist-info")):
-            session.install("--no-deps", "--upgrade", "--target", side, CLIENT_SIDE_DEEPSPEED[framework],
-                            env={"DS_BUILD_OPS": "0"})
+            _pip(session, "--no-deps", "--upgrade", "--target", side, CLIENT_SIDE_DEEPSPEED[framework],
+                 DS_BUILD_OPS="0")
         extra["ZSCLIENT_SIDE_DEEPSPEED"] = side
-    session.install(".")
+    _pip(session, ".")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "tests/clients/run.py", "--framework", framework, *session.posargs,
                 env=_env(session, **extra))
@@ -297,9 +305,9 @@ def deepspeed_suite(session, release):
     """DeepSpeed's ZeRO, offload and ZeRO-checkpoint unit tests at the release's tag, plainly and with
     zeroshim in every rank: fails if a test that passes without zeroshim does not pass with it."""
     _install_torch(session)
-    session.install(*DEEPSPEED_SUITE[release], env={"DS_BUILD_OPS": "0"})
-    session.install("pytest>=7.2.0,<8.4.0", "pytest-forked")  # the bounds of DeepSpeed's requirements-dev.txt
-    session.install(".")
+    _pip(session, *DEEPSPEED_SUITE[release], DS_BUILD_OPS="0")
+    _pip(session, "pytest>=7.2.0,<8.4.0", "pytest-forked")  # the bounds of DeepSpeed's requirements-dev.txt
+    _pip(session, ".")
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "tests/dsunit/run.py", "--release", release,
                 "--out", os.path.join(session.virtualenv.location, "results"), *session.posargs, env=_env(session))
@@ -399,9 +407,9 @@ def packaging(session):
     _check_wheel(session, wheel)
 
     _install_torch(session)
-    session.install(*PACKAGING_PINS, env={"DS_BUILD_OPS": "0"})
+    _pip(session, *PACKAGING_PINS, DS_BUILD_OPS="0")
     before = _frozen(session)
-    session.install(wheel)
+    _pip(session, wheel)
     after = _frozen(session)
     moved = [f"{name}: {before.get(name, 'absent')} -> {after.get(name, 'absent')}"
              for name in sorted(set(before) | set(after))

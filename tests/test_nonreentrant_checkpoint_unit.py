@@ -234,6 +234,30 @@ def test_the_wrapper_is_reached_and_recognises_torch_s_call_on_this_torch():
     assert ncp._owner(tuc.CheckpointFunction.apply.__wrapped__, None) is tuc.CheckpointFunction
 
 
+def test_a_checkpoint_that_no_longer_reaches_the_wrapper_is_reported(monkeypatch):
+    """torch's checkpoint (as captured) running another path than CheckpointFunction.apply: the probe says so."""
+    monkeypatch.setattr(ncp, "_probe_result", [])
+    monkeypatch.setitem(ncp._torch, "checkpoint", lambda function, *args, **kwargs: function(*args))
+    found = ncp._reached()
+    assert found and "no longer calls the wrapped CheckpointFunction.apply" in found
+
+
+def test_a_probe_that_cannot_run_is_not_a_finding_and_not_kept(monkeypatch):
+    """Under inference mode (an eval function calling status()), the probe still runs; a probe call that
+    raises proves nothing either way: no finding, nothing cached, the next probe runs again."""
+    monkeypatch.setattr(ncp, "_probe_result", [])
+    with torch.inference_mode():
+        assert ncp._reached() is None
+    assert ncp._probe_result == [None]
+    monkeypatch.setattr(ncp, "_probe_result", [])
+
+    def broken(function, *args, **kwargs):
+        raise RuntimeError("no checkpoint today")
+
+    monkeypatch.setitem(ncp._torch, "checkpoint", broken)
+    assert ncp._reached() is None and ncp._probe_result == []
+
+
 def test_a_wrapper_that_cannot_act_is_reported_not_applied(monkeypatch):
     """Where the wrapper is reached but cannot recognise the call (what torch 2.14 did to the previous
     release), status says so (bypassed, with the remedy) instead of "applied"."""

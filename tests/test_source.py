@@ -89,6 +89,30 @@ def test_reaches_reads_through_decorators_overloads_and_helpers(source_module):
     assert found is False
 
 
+def test_reaches_through_stacked_decorators_and_says_cannot_tell_where_a_layer_is_unreadable(source_module):
+    import importlib
+
+    module = importlib.import_module(source_module(
+        "import functools\n"
+        "def deco(fn):\n"
+        "    @functools.wraps(fn)\n"
+        "    def inner(*a, **k):\n"
+        "        return fn(*a, **k)\n"
+        "    return inner\n"
+        "@deco\n"
+        "@deco\n"
+        "def target(x):\n"
+        "    return the_call(x)\n"))
+    from zeroshim._source import reaches
+
+    assert reaches(module.target, r"the_call\(x\)")[0] is True
+    # a layer whose source cannot be read (built from a string) under a readable wrapper: cannot tell
+    ns = {}
+    exec(compile("def hidden(x):\n    return x\n", "<no file>", "exec"), ns)
+    found, why = reaches(module.deco(ns["hidden"]), r"the_call")
+    assert found is None and "hidden" in why
+
+
 def test_reaches_without_source_says_it_cannot_tell():
     """A build without .py files: None ("cannot tell"), never False (which would turn a patch off)."""
     from zeroshim._source import reaches

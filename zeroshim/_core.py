@@ -338,12 +338,22 @@ def gate_verdict(patch: Patch) -> "Tuple[bool, str]":
                    "(a build with the fix?)")
 
 
+def _say_tested() -> None:
+    """zeroshim's first line at INFO, at the first version gate it evaluates (whatever the verdicts): the
+    newest releases it was tested on, and any installed one that is newer."""
+    if log.isEnabledFor(logging.INFO):
+        from . import __version__
+
+        _log.info("zeroshim %s: %s", __version__, _versions.tested_line(), once=("tested",))
+
+
 def _gate(patch: Patch, state: _State) -> bool:
     """Check the gate (once); False (and SKIPPED) if not affected."""
     if state.mode == "on":
         state.reason = f"forced on by {state.why} (version gate ignored)"
         return True
     if state.gate is None:
+        _say_tested()
         state.gate = gate_verdict(patch)
     affected, reason = state.gate
     if not affected:
@@ -397,10 +407,6 @@ def _on_import(name: str, module_name: str, module: object) -> None:
 def _refresh(patch: Patch, state: _State) -> None:
     if state.state == PENDING and state.done.issuperset(patch.required):
         state.state = APPLIED
-        if log.isEnabledFor(logging.INFO):  # the first line: what zeroshim was tested on (reads versions: ~1 ms)
-            from . import __version__
-
-            _log.info("zeroshim %s: %s", __version__, _versions.tested_line(), once=("tested",))
         _log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
 
 

@@ -83,9 +83,22 @@ def _inner_functions(func) -> list:
     return out
 
 
+def _layers(func, limit: int = 20) -> list:
+    """``func`` and every function its decorators' wrappers run, transitively (stacked decorators)."""
+    out, seen, todo = [], set(), [func]
+    while todo and len(out) < limit:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        out.append(current)
+        todo.extend(_inner_functions(current))
+    return out
+
+
 def _source_of(func) -> "Optional[str]":
     """The source of the definition this function object was made from (its own code object: the
-    definition that runs, never an ``@overload`` stub above it), or None."""
+    definition that runs, never an ``@overload`` stub above it), or None.  Never raises."""
     import inspect
 
     code = getattr(func, "__code__", None)
@@ -93,36 +106,43 @@ def _source_of(func) -> "Optional[str]":
         return None
     try:
         return inspect.getsource(code)
-    except (OSError, TypeError):
+    except Exception:  # noqa: BLE001 (OSError, TypeError, a file changed on disk: cannot tell)
         return None
+
+
+def _name_of(func) -> str:
+    code = func.__code__
+    return f"{getattr(func, '__module__', None) or '?'}.{getattr(code, 'co_qualname', code.co_name)}"
 
 
 def reaches(func, pattern: str, what: str = "", depth: int = 3) -> "Tuple[Optional[bool], str]":
     """Does calling ``func`` run code whose source matches ``pattern`` (a regex)?  ``(True, where)``
-    when the pattern is in the source of the function that actually runs -- through decorators
-    (``__wrapped__`` chains, closures) -- or of a function of the same module that it calls by name
-    (``depth`` calls deep: a refactor that moves the body into a helper, such as torch 2.14's
-    ``checkpoint`` -> ``_checkpoint_impl``); ``(False, what was read)`` when every function reached
-    had source and none matched; ``(None, why)`` when no source could be read at all (a build
-    without ``.py`` files): then the caller must not conclude that its target changed.  ``what``
-    names the pattern for people."""
+    when the pattern is in the source of the function that actually runs -- through decorators,
+    stacked or not (``__wrapped__`` chains, closures) -- or of a function of the same module that it
+    calls by name (``depth`` calls deep: a refactor that moves the body into a helper, such as torch
+    2.14's ``checkpoint`` -> ``_checkpoint_impl``); ``(False, what was read)`` only when every
+    function reached had source and none matched; ``(None, why)`` when some function reached had no
+    readable source (a build without ``.py`` files): then the caller must not conclude that its
+    target changed.  ``what`` names the pattern for people."""
     regex = re.compile(pattern)
     what = what or repr(pattern)
     seen: set = set()
     read: list = []
+    unreadable: list = []
     frontier = [func]
     for _level in range(depth + 1):
         following = []
         for candidate in frontier:
-            for current in [candidate, *_inner_functions(candidate)]:
+            for current in _layers(candidate):
                 code = getattr(current, "__code__", None)
                 if code is None or id(code) in seen:
                     continue
                 seen.add(id(code))
+                name = _name_of(current)
                 source = _source_of(current)
                 if source is None:
+                    unreadable.append(name)
                     continue
-                name = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', code.co_name)}"
                 if name not in read:
                     read.append(name)
                 if regex.search(source):
@@ -140,6 +160,8 @@ def reaches(func, pattern: str, what: str = "", depth: int = 3) -> "Tuple[Option
         frontier = following
         if not frontier:
             break
+    if unreadable:
+        return None, f"no source could be read for {', '.join(unreadable)}"
     if not read:
         return None, "no source could be read"
     return False, f"{what} is not in {', '.join(read)}"

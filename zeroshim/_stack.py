@@ -15,7 +15,7 @@ STACK_NOTES = (
      "evidence": "read in the DeepSpeed 0.19.4, 0.19.5 and 0.19.7 sdists (op_builder/builder.py: cxx_args, "
                  "nvcc_args) and the torch 2.13.0 and 2.14.x headers (ATen/ATen.h); DeepSpeed #8238, #8422. On a "
                  "machine without a GPU, DeepSpeed builds its CPU ops without -std=c++17 and nothing fails"},
-    {"ranges": {"torch": ">=2.14", "deepspeed": ">=0.19.5,<0.19.7"},
+    {"ranges": {"torch": ">=2.14", "deepspeed": ">=0.19.5,<0.19.7"}, "torch_cuda": "13",
      "problem": "with CUDA 13, DeepSpeed still passes -std=c++17 to nvcc for its .cu files, which torch >= "
                 "2.14's headers refuse",
      "remedy": "DeepSpeed >= 0.19.7 where nvcc is CUDA 13",
@@ -24,12 +24,35 @@ STACK_NOTES = (
 )
 
 
+def torch_cuda() -> "str | None":
+    """The CUDA version the installed torch was built for (``torch/version.py``, read as text: nothing is
+    imported), or None (a CPU build, or not readable)."""
+    import re
+
+    from . import _source
+
+    path = _source.module_file("torch.version")
+    try:
+        with open(path or "", encoding="utf-8") as fh:
+            found = re.search(r"(?m)^cuda(?:\s*:[^=]*)?=\s*'([0-9.]+)'", fh.read())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
 def notes() -> list:
-    """The notes whose ranges all hold for the installed releases."""
+    """The notes whose ranges all hold for the installed releases (and, where a note names one, whose torch
+    was built for that CUDA major version)."""
     out = []
     for note in STACK_NOTES:
         versions = {p: _versions.installed(p) for p in note["ranges"]}
-        if all(v is not None and _versions.in_range(v, spec) for (p, spec), v in
-               zip(note["ranges"].items(), versions.values())):
-            out.append({**note, "installed": versions})
+        if not all(v is not None and _versions.in_range(v, spec) for (p, spec), v in
+                   zip(note["ranges"].items(), versions.values())):
+            continue
+        if "torch_cuda" in note:
+            cuda = torch_cuda()
+            if cuda is None or cuda.split(".")[0] != note["torch_cuda"]:
+                continue
+            versions["torch CUDA"] = cuda
+        out.append({**note, "installed": versions})
     return out

@@ -446,38 +446,47 @@ def _probe_function(x):
     return x * 2
 
 
-#: the probe's finding, once per process (None: the wrapper is reached and recognises the call)
+#: the probe's finding, once per process (None: the wrapper is reached and recognises the call); filled under
+#: _probe_lock.  A probe that raised is not kept (it says nothing about torch's structure).
 _probe_result: list = []
+_probe_lock = threading.Lock()
 
 
 def _reached() -> "str | None":
-    """Does a reentrant call of torch's own ``checkpoint`` reach the wrapper, and can the wrapper tell that it
+    """Does a reentrant call of torch's own checkpoint reach the wrapper, and can the wrapper tell that it
     is ``CheckpointFunction``'s?  A real call on a one-element tensor, run once per process (at the first
     engine creation or ``status()``): the structure of torch's checkpointing changes between releases
     (torch 2.14 moved ``apply`` to C, where wrapt binds it without the class), and a wrapper that is reached
-    but cannot act would leave the patch "applied" while it converts nothing."""
-    if _probe_result:
-        return _probe_result[0]
+    but cannot act would leave the patch "applied" while it converts nothing.  The call goes to the function
+    under torch's decorators (``inspect.unwrap``: the same path, checkpoint -> _checkpoint_impl ->
+    CheckpointFunction.apply, without importing torch._dynamo for ``_disable_dynamo``, about 2 s), with grad
+    on and inference mode off whatever the caller's context, and the RNG state untouched."""
+    import inspect
+
     import torch
 
-    seen = _local.probe = []
-    try:
-        with torch.enable_grad():
-            _torch["checkpoint"](_probe_function, torch.ones(1, requires_grad=True), use_reentrant=True,
-                                 preserve_rng_state=False)
-    except Exception as exc:  # noqa: BLE001 (said as the finding)
-        finding = f"a reentrant checkpoint call failed in zeroshim's probe ({type(exc).__name__}: {exc})"
-    else:
+    with _probe_lock:
+        if _probe_result:
+            return _probe_result[0]
+        previous = getattr(_local, "probe", None)
+        seen = _local.probe = []
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                inspect.unwrap(_torch["checkpoint"])(_probe_function, torch.ones(1, requires_grad=True),
+                                                     use_reentrant=True, preserve_rng_state=False)
+        except Exception:  # noqa: BLE001 (a probe that could not run this time proves nothing either way)
+            _log.log.debug("zeroshim[%s]: the probe call failed", NAME, exc_info=True)
+            return None
+        finally:
+            _local.probe = previous
         if not seen:
             finding = "torch's reentrant checkpoint no longer calls the wrapped CheckpointFunction.apply"
         elif seen[0] is not _torch["cls"]:
             finding = f"the wrapper of CheckpointFunction.apply cannot tell which class it was called on (saw {seen[0]!r})"
         else:
             finding = None
-    finally:
-        _local.probe = None
-    _probe_result.append(finding)
-    return finding
+        _probe_result.append(finding)
+        return finding
 
 
 def bypass():
