@@ -28,7 +28,9 @@ never in pyproject.toml.
 """
 
 import glob
+import json
 import os
+import time
 import zipfile
 
 import nox
@@ -67,6 +69,9 @@ MATRIX = {
 # claim holds within one environment, never across the CPU and CUDA builds.
 TORCH_OF = {"ds0.19.2": "torch==2.14.1", "ds0.19.8": "torch==2.15.0", "canary": "torch"}
 DEMO_ENV = "ds0.19.8"
+# Where the tests sessions write their timings (per-session wall times, per-launch JSON lines): read by
+# .ci/timings.py at the end of .ci/run.
+TIMINGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci-timings")
 # Environments whose DeepSpeed predates numpy 2 support: numpy 2 is also put in a
 # side directory, and tests/test_numpy2_compat.py runs DeepSpeed with it first on
 # PYTHONPATH (patch numpy2_compat), while the environment itself keeps numpy < 2.
@@ -140,9 +145,15 @@ def _install(session, env_name):
 @nox.session
 @nox.parametrize("env", list(MATRIX))
 def tests(session, env):
-    """The test suite in one pinned environment."""
+    """The test suite in one pinned environment.  Its wall time (install included) and every scenario
+    launch (wall and start-up time) are written under TIMINGS for .ci/run's account (.ci/timings.py)."""
+    started = time.time()
+    os.makedirs(TIMINGS, exist_ok=True)
+    launches = os.path.join(TIMINGS, f"launches-{env}.jsonl")
+    if os.path.exists(launches):
+        os.remove(launches)
     _install(session, env)
-    extra = {"ZSTEST_ENV": env}
+    extra = {"ZSTEST_ENV": env, "ZSTEST_LAUNCH_LOG": launches}
     if env in NUMPY2_SIDE:
         side = os.path.join(session.virtualenv.location, "numpy2")
         _pip(session, "--no-deps", "--target", side, NUMPY2_SIDE[env])
@@ -150,7 +161,13 @@ def tests(session, env):
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
-    session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *session.posargs, env=_env(session, **extra))
+    try:
+        session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *session.posargs,
+                    env=_env(session, **extra))
+    finally:
+        with open(os.path.join(TIMINGS, "sessions.jsonl"), "a") as fh:
+            fh.write(json.dumps({"session": session.name, "env": env, "torch": _SESSION_TORCH.get(session.name),
+                                 "seconds": round(time.time() - started, 1)}) + "\n")
 
 
 @nox.session

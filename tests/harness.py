@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -88,12 +89,28 @@ def load_proof(name: str):
     return import_module(f"zeroshim.patches.{name}.proof")
 
 
+def log_launch(target: str, nproc: int, args, result: dict) -> None:
+    """One line per launch in ``ZSTEST_LAUNCH_LOG`` (JSON lines; noxfile.py sets it per environment, .ci/run
+    sums it up): the test, the scenario, its wall time and its start-up time (until every rank had
+    imported torch and DeepSpeed; None where the scenario does not say)."""
+    path = os.environ.get("ZSTEST_LAUNCH_LOG")
+    if not path:
+        return
+    record = {"env": os.environ.get("ZSTEST_ENV"), "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+              "target": target, "nproc": nproc, "args": [str(a) for a in args][:8],
+              "returncode": result.get("returncode"), **result.get("timing", {})}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
              launcher: list[str] | None = None, check: bool = True) -> dict:
     """Run scenario ``target`` -- a patch name (``patches/<name>/scenario.py``) or
     ``<patch>/<script>.py`` -- from the installed copy, on ``nproc`` ranks; return
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
     result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=TIMEOUT)
+    log_launch(target, nproc, args, result)
     # Every rank wrote its results (the scenario's last step) and a rank then aborted at interpreter exit
     # ("terminate called without an active exception", issue #31 item 8; with and without zeroshim): judged
     # by the results, as `zeroshim prove` does, and said in the test output.

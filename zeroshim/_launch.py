@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 #: the scenario helpers (``common.py``), put on each rank's PYTHONPATH
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
@@ -204,14 +205,16 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))
+    started = time.time()
     with master_port() as port:
         cmd = list(launcher or []) + [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
         code, log, _ = run_group(cmd, env=env, timeout=timeout, merge=True)
+    wall = time.time() - started
     with open(os.path.join(out, "log.txt"), "w") as fh:
         fh.write(log)
-    ranks = []
+    ranks, ready = [], []
     for rank in range(nproc):
         path = os.path.join(out, f"rank{rank}.json")
         if os.path.exists(path):
@@ -219,4 +222,12 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
                 ranks.append(json.load(fh))
         else:
             ranks.append(None)
-    return {"returncode": code, "log": log, "ranks": ranks}
+        try:
+            with open(os.path.join(out, f"timing{rank}.json")) as fh:
+                ready.append(json.load(fh)["ready"])
+        except (OSError, ValueError, KeyError):
+            pass
+    ready = [t for t in ready if isinstance(t, (int, float))]
+    # start-up: from the launch to the last rank done importing torch and DeepSpeed (None where unknown)
+    timing = {"wall": round(wall, 2), "startup": round(max(ready) - started, 2) if ready else None}
+    return {"returncode": code, "log": log, "ranks": ranks, "timing": timing}

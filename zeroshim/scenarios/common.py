@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
@@ -50,7 +51,13 @@ def import_deepspeed(fix_gloo_gathers: bool = False):
         zeroshim.configure(only=keep)
     import deepspeed
 
+    _TIMES.setdefault("ready", time.time())  # this rank's start-up (interpreter, torch, DeepSpeed) is over
     return deepspeed
+
+
+#: wall-clock times of this rank, written beside its results (``timing<rank>.json``) for the launcher's
+#: account of start-up against work (tests/harness.py logs it per launch)
+_TIMES: dict = {}
 
 
 def enable_zeroshim():
@@ -186,6 +193,8 @@ def write_results(out_dir: str, results: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1, sort_keys=True)
+    with open(os.path.join(out_dir, f"timing{rank}.json"), "w") as fh:
+        json.dump({"ready": _TIMES.get("ready"), "written": time.time()}, fh)
 
 
 def finish() -> None:

@@ -1,0 +1,102 @@
+"""Where CI's time went (issue #43): per test environment, per patch, and the slowest scenario launches,
+from what the nox `tests` sessions wrote under .ci-timings/ (noxfile.py TIMINGS).  Standard library only.
+
+    python3 .ci/timings.py [--elapsed SECONDS --budget SECONDS] [DIR]
+
+Prints the account; with --budget, exits 1 when --elapsed is past it (the account says where the time went),
+so that growth shows long before CI's hard limit.  Missing or unreadable files are said, never fatal."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+
+def read_lines(path: str) -> list:
+    out = []
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def patch_of(record: dict) -> str:
+    """The patch a launch belongs to: its scenario (``<patch>`` or ``<patch>/<script>.py``), else its test file."""
+    target = str(record.get("target") or "").replace(os.sep, "/")
+    if target:
+        return target.split("/")[0]
+    test = str(record.get("test") or "")
+    name = os.path.basename(test.split("::")[0])
+    return name.removeprefix("test_").removesuffix(".py") or "?"
+
+
+def account(folder: str, top: int = 15) -> "tuple[str, dict]":
+    sessions = {}
+    for record in read_lines(os.path.join(folder, "sessions.jsonl")):
+        sessions[record.get("session")] = record  # the last run of each session
+    launches = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("launches-") and name.endswith(".jsonl"):
+            launches += read_lines(os.path.join(folder, name))
+    lines = ["", "== where CI's time went (.ci/timings.py) =="]
+    if not sessions and not launches:
+        lines.append(f"no timings under {folder}")
+        return "\n".join(lines), {}
+    by_env = collections.defaultdict(lambda: [0, 0.0, 0.0])  # launches, wall, start-up
+    by_patch = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for record in launches:
+        wall, startup = float(record.get("wall") or 0), float(record.get("startup") or 0)
+        for table, key in ((by_env, record.get("env") or "?"), (by_patch, patch_of(record))):
+            table[key][0] += 1
+            table[key][1] += wall
+            table[key][2] += startup
+    lines.append("per environment (the session's wall time, install included; its scenario launches):")
+    for name, record in sorted(sessions.items(), key=lambda kv: -float(kv[1].get("seconds") or 0)):
+        env = record.get("env")
+        count, wall, startup = by_env.get(env, [0, 0.0, 0.0])
+        lines.append(f"  {name:<26} {record.get('torch') or '':<14} {float(record.get('seconds') or 0):7.0f} s;"
+                     f" {count:4d} launches, {wall:6.0f} s, of which start-up {startup:6.0f} s")
+    lines.append("per patch (every environment):")
+    for name, (count, wall, startup) in sorted(by_patch.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {name:<32} {count:4d} launches {wall:7.0f} s (start-up {startup:6.0f} s)")
+    lines.append(f"the {top} slowest launches:")
+    for record in sorted(launches, key=lambda r: -float(r.get("wall") or 0))[:top]:
+        startup = record.get("startup")
+        startup = f"{float(startup):5.1f} s" if isinstance(startup, (int, float)) else "    ? "
+        lines.append(f"  {float(record.get('wall') or 0):6.1f} s (start-up {startup})"
+                     f"  {record.get('env')}  {record.get('target')} x{record.get('nproc')}  {record.get('test')}")
+    total = {"launches": len(launches), "wall": sum(v[1] for v in by_env.values()),
+             "startup": sum(v[2] for v in by_env.values())}
+    lines.append(f"all launches: {total['launches']}, {total['wall']:.0f} s, of which start-up "
+                 f"{total['startup']:.0f} s")
+    return "\n".join(lines), total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", default=".ci-timings")
+    parser.add_argument("--elapsed", type=float, help="CI's wall time so far, seconds")
+    parser.add_argument("--budget", type=float, help="fail past this many seconds of --elapsed")
+    args = parser.parse_args(argv)
+    text, _ = account(args.folder)
+    print(text)
+    if args.budget is not None and args.elapsed is not None:
+        if args.elapsed > args.budget:
+            print(f"CI took {args.elapsed:.0f} s, past its budget of {args.budget:.0f} s (the account above says "
+                  "where): make the slowest launches cheaper before adding more", file=sys.stderr)
+            return 1
+        print(f"CI took {args.elapsed:.0f} s of its {args.budget:.0f} s budget")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
