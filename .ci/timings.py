@@ -39,7 +39,7 @@ def patch_of(record: dict) -> str:
     return name.removeprefix("test_").removesuffix(".py") or "?"
 
 
-def account(folder: str, top: int = 15) -> "tuple[str, dict]":
+def account(folder: str, top: int = 15) -> str:
     sessions = {}
     for record in read_lines(os.path.join(folder, "sessions.jsonl")):
         sessions[record.get("session")] = record  # the last run of each session
@@ -50,7 +50,7 @@ def account(folder: str, top: int = 15) -> "tuple[str, dict]":
     lines = ["", "== where CI's time went (.ci/timings.py) =="]
     if not sessions and not launches:
         lines.append(f"no timings under {folder}")
-        return "\n".join(lines), {}
+        return "\n".join(lines)
     by_env = collections.defaultdict(lambda: [0, 0.0, 0.0])  # launches, wall, start-up
     by_patch = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for record in launches:
@@ -74,11 +74,9 @@ def account(folder: str, top: int = 15) -> "tuple[str, dict]":
         startup = f"{float(startup):5.1f} s" if isinstance(startup, (int, float)) else "    ? "
         lines.append(f"  {float(record.get('wall') or 0):6.1f} s (start-up {startup})"
                      f"  {record.get('env')}  {record.get('target')} x{record.get('nproc')}  {record.get('test')}")
-    total = {"launches": len(launches), "wall": sum(v[1] for v in by_env.values()),
-             "startup": sum(v[2] for v in by_env.values())}
-    lines.append(f"all launches: {total['launches']}, {total['wall']:.0f} s, of which start-up "
-                 f"{total['startup']:.0f} s")
-    return "\n".join(lines), total
+    lines.append(f"all launches: {len(launches)}, {sum(v[1] for v in by_env.values()):.0f} s, of which start-up "
+                 f"{sum(v[2] for v in by_env.values()):.0f} s")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -87,8 +85,7 @@ def main(argv=None) -> int:
     parser.add_argument("--elapsed", type=float, help="CI's wall time so far, seconds")
     parser.add_argument("--budget", type=float, help="fail past this many seconds of --elapsed")
     args = parser.parse_args(argv)
-    text, _ = account(args.folder)
-    print(text)
+    print(account(args.folder))
     if args.budget is not None and args.elapsed is not None:
         if args.elapsed > args.budget:
             print(f"CI took {args.elapsed:.0f} s, past its budget of {args.budget:.0f} s (the account above says "

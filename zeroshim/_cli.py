@@ -85,10 +85,11 @@ def _installed_others() -> list:
 
 def doctor(args) -> int:
     versions = {p: _versions.installed(p) for p in PACKAGES}
+    newer = _versions.newer_than_tested()
     report = {"python": sys.version.split()[0], "versions": versions, "patches": _verdicts(),
               "newest_tested": dict(_versions.NEWEST_TESTED), "stack_notes": _stack.notes(),
               "newer_than_tested": [{"package": p, "installed": v, "newest_tested": t}
-                                    for p, v, t in _versions.newer_than_tested()],
+                                    for p, v, t in newer],
               "flags": {k: v for k, v in os.environ.items() if k.upper().startswith(_flags.PREFIX)},
               "others": _installed_others()}
     status = EXIT_OK
@@ -111,7 +112,7 @@ def doctor(args) -> int:
     print(f"zeroshim {_version()} on Python {report['python']}")
     for name, version in versions.items():
         print(f"  {name:<13} {version or 'not installed'}")
-    print(f"  {_versions.tested_line()}")
+    print(f"  {_versions.tested_line(newer)}")
     print("\npatches:")
     width = max(len(p["patch"]) for p in report["patches"])
     for p in report["patches"]:

@@ -338,13 +338,17 @@ def gate_verdict(patch: Patch) -> "Tuple[bool, str]":
                    "(a build with the fix?)")
 
 
+_said_tested: list = []  # once per process (the gates run under _lock)
+
+
 def _say_tested() -> None:
     """zeroshim's first line at INFO, at the first version gate it evaluates (whatever the verdicts): the
-    newest releases it was tested on, and any installed one that is newer."""
-    if log.isEnabledFor(logging.INFO):
+    newest releases it was tested on, and any installed one that is newer.  Read once per process."""
+    if not _said_tested and log.isEnabledFor(logging.INFO):
         from . import __version__
 
-        _log.info("zeroshim %s: %s", __version__, _versions.tested_line(), once=("tested",))
+        _said_tested.append(True)
+        _log.info("zeroshim %s: %s", __version__, _versions.tested_line())
 
 
 def _gate(patch: Patch, state: _State) -> bool:

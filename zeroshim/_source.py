@@ -110,6 +110,17 @@ def _source_of(func) -> "Optional[str]":
         return None
 
 
+def source_text(func) -> "Optional[str]":
+    """The source of the function under ``func``'s ``functools.wraps`` decorators (``inspect.unwrap``), or
+    None where it cannot be read (a build without ``.py`` files): never raises."""
+    import inspect
+
+    try:
+        return _source_of(inspect.unwrap(func))
+    except Exception:  # noqa: BLE001 (a __wrapped__ cycle: cannot tell)
+        return None
+
+
 def _name_of(func) -> str:
     code = func.__code__
     return f"{getattr(func, '__module__', None) or '?'}.{getattr(code, 'co_qualname', code.co_name)}"

@@ -46,8 +46,8 @@ def notes() -> list:
     out = []
     for note in STACK_NOTES:
         versions = {p: _versions.installed(p) for p in note["ranges"]}
-        if not all(v is not None and _versions.in_range(v, spec) for (p, spec), v in
-                   zip(note["ranges"].items(), versions.values())):
+        if not all(versions[p] is not None and _versions.in_range(versions[p], spec)
+                   for p, spec in note["ranges"].items()):
             continue
         if "torch_cuda" in note:
             cuda = torch_cuda()

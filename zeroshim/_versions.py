@@ -56,10 +56,11 @@ def newer_than_tested() -> "list":
     return out
 
 
-def tested_line() -> str:
-    """One sentence: the newest tested releases, and which installed ones are newer (with the remedy)."""
+def tested_line(newer: "list | None" = None) -> str:
+    """One sentence: the newest tested releases, and which installed ones are newer (with the remedy);
+    ``newer``: :func:`newer_than_tested` where the caller has it already."""
     tested = ", ".join(f"{p} {v}" for p, v in NEWEST_TESTED.items())
-    newer = newer_than_tested()
+    newer = newer_than_tested() if newer is None else newer
     if not newer:
         return f"tested up to {tested}"
     said = "; ".join(f"{p} {v} is newer than the newest tested, {t}" for p, v, t in newer)

@@ -489,15 +489,19 @@ def _reached() -> "str | None":
         return finding
 
 
+#: what a bypassed wrapper means for the user (each finding adds its own remedy)
+_CANNOT = ("so zeroshim cannot run reentrant checkpointing as non-reentrant under ZeRO: a checkpointed module that "
+           "runs more than once per step will fail with 'has already been reduced' (ZeRO-1/2) or the ds_id assertion "
+           "(ZeRO-3)")
+
+
 def bypass():
     """None while reentrant checkpoint calls still reach the wrapper (and the wrapper recognises them),
     else what took it out of the path."""
     if not _torch:
         return None
-    consequence = ("so zeroshim cannot run reentrant checkpointing as non-reentrant under ZeRO: a checkpointed module "
-                   "that runs more than once per step will fail with 'has already been reduced' (ZeRO-1/2) or the "
-                   "ds_id assertion (ZeRO-3); if it does, use that library's non-reentrant option or turn its "
-                   "checkpointing replacement off")
+    consequence = (f"{_CANNOT}; if it does, use that library's non-reentrant option or turn its checkpointing "
+                   "replacement off")
     current_cls = vars(_torch["module"]).get("CheckpointFunction")
     if current_cls is not _torch["cls"]:
         return (f"torch.utils.checkpoint.CheckpointFunction was replaced by {_qualname(current_cls)}, which torch's "
@@ -507,9 +511,7 @@ def bypass():
             return f"{where} is {_qualname(func)}, which does not call torch's checkpoint(), {consequence}"
     finding = _reached()
     if finding:
-        return (f"{finding}, so zeroshim cannot run reentrant checkpointing as non-reentrant under ZeRO on this "
-                "torch: a checkpointed module that runs more than once per step will fail with 'has already been "
-                "reduced' (ZeRO-1/2) or the ds_id assertion (ZeRO-3); pass use_reentrant=False (transformers: "
+        return (f"{finding}, {_CANNOT}; pass use_reentrant=False (transformers: "
                 "gradient_checkpointing_kwargs={'use_reentrant': False}), and please report this with your torch "
                 "version")
     return None

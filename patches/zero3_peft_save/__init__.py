@@ -194,15 +194,12 @@ def _save(wrapped, instance, args, kwargs):
 
 
 def patch_trainer(module, patcher: Patcher) -> None:
-    import inspect
+    from zeroshim import _source
 
     cls = require_attr(module, "Trainer")
     save_model = require_attr(cls, "save_model")
-    try:
-        source = inspect.getsource(inspect.unwrap(save_model))
-    except (OSError, TypeError):
-        source = None  # no source shipped: the version decides, never "target changed"
-    if source is None:
+    source = _source.source_text(save_model)
+    if source is None:  # no source shipped: the version decides, never "target changed"
         from zeroshim import _versions
 
         gathers = _versions.in_range(_versions.installed("transformers") or "0", ">=5.0")
