@@ -1,6 +1,8 @@
 """The one launcher of the reproductions: ``zeroshim prove``, the test suite and
 the benchmarks run a patch's scenario (``patches/<name>/scenario*.py``, shipped
-as ``zeroshim/patches/<name>/``) on N CPU ranks under torchrun with it.
+as ``zeroshim/patches/<name>/``) on N CPU ranks, started with it as torchrun
+starts them on one node (the same environment variables; torchrun's own process,
+which imports torch before any rank starts, is left out: :func:`run_ranks`).
 
 Each launch gets a free port, an environment without zeroshim's flags (the
 scenario decides itself when zeroshim is active), the scenario helpers
@@ -44,6 +46,29 @@ def scenario(target: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no scenario {target!r} (looked for {path})")
     return path
+
+
+#: the wall-time bound of one launch of a scenario that declares none (``LAUNCH_TIMEOUT_S``): five times the
+#: slowest scenario measured on the 2-core CI machine (65 s), so an unexpected hang costs minutes, not 15
+DEFAULT_TIMEOUT_S = 300
+
+
+def timeout_of(target: str) -> float:
+    """How long one launch of scenario ``target`` may run: the ``LAUNCH_TIMEOUT_S = <seconds>`` its script
+    declares at module level (read, not imported: the script imports DeepSpeed), else
+    :data:`DEFAULT_TIMEOUT_S`.  A hang reproduction declares a bound a little above its own ``--timeout``."""
+    import ast
+
+    try:
+        with open(scenario(target)) as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, FileNotFoundError):
+        return DEFAULT_TIMEOUT_S
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LAUNCH_TIMEOUT_S" for t in node.targets)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float))):
+            return float(node.value.value)
+    return DEFAULT_TIMEOUT_S
 
 
 def free_port() -> int:
@@ -193,6 +218,75 @@ def run_group(cmd: list, *, env: "dict | None" = None, timeout: float, cwd: "str
     return code, out or "", err or ""
 
 
+def rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
+    """What torchrun (``torch.distributed.run``, one node, no restarts) puts in worker ``rank``'s
+    environment, on top of ``env``.  The ranks' own c10d store is hosted by rank 0 (env:// as in
+    ``torch.distributed.init_process_group`` without torchrun's agent store)."""
+    out = dict(env)
+    out.update(LOCAL_RANK=str(rank), RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+               LOCAL_WORLD_SIZE=str(nproc), WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+               TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="False",
+               TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+#: after one rank fails, how long the others get to end on their own before they are killed (torchrun's agent
+#: stops the other workers at once too; a rank waiting in a collective for a dead peer never ends)
+STOP_GRACE_S = 5.0
+
+
+def run_ranks(cmd: list, nproc: int, port: int, *, env: dict, timeout: float, log_path: str) -> "tuple":
+    """Start ``nproc`` ranks of ``cmd`` as torchrun does on one node (:func:`rank_env`; each in a session of its
+    own), all writing to ``log_path``, without torchrun's own process: its import of torch and its agent cost
+    about 3.3 s of wall and CPU time before the ranks start (measured on the 2-core CI machine).  As torchrun's
+    agent, when a rank fails the others are stopped, and the launch exits 1; all ranks exiting 0 is 0; past
+    ``timeout`` every rank and its children are killed and the code is -1.  ``(returncode, log)``."""
+    import signal
+
+    procs = []
+    with open(log_path, "w") as log:
+        try:
+            for rank in range(nproc):
+                procs.append(subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), stdout=log,
+                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
+            deadline, failed_at, code = time.monotonic() + timeout, None, 0
+            while True:
+                codes = [p.poll() for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad and failed_at is None:
+                    failed_at, code = time.monotonic(), 1
+                    log.write(f"[launch] rank {bad[0][0]} exited {bad[0][1]}; stopping the other ranks\n")
+                    log.flush()
+                    for p in procs:
+                        if p.poll() is None:
+                            try:
+                                os.killpg(p.pid, signal.SIGTERM)
+                            except (ProcessLookupError, PermissionError):
+                                pass
+                if None not in codes:
+                    break
+                now = time.monotonic()
+                if now > deadline or (failed_at is not None and now > failed_at + STOP_GRACE_S):
+                    code = -1 if now > deadline else code
+                    for p in procs:
+                        if p.poll() is None:
+                            _kill_tree(p)
+                    for p in procs:
+                        p.wait()
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:  # an interrupt while waiting: take the ranks down too
+                if p.poll() is None:
+                    _kill_tree(p)
+                    p.wait()
+    with open(log_path, errors="replace") as fh:
+        return code, fh.read()
+
+
 def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = None,
            launcher: "list | None" = None, timeout: float = 900) -> dict:
     """Run scenario ``target`` (see :func:`scenario`) on ``nproc`` ranks with
@@ -207,13 +301,17 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     env.setdefault("LOCAL_SIZE", str(nproc))
     started = time.time()
     with master_port() as port:
-        cmd = list(launcher or []) + [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
-        code, log, _ = run_group(cmd, env=env, timeout=timeout, merge=True)
+        if launcher is None and not env.get("ZSLAUNCH_TORCHRUN"):
+            code, log = run_ranks([sys.executable, "-u", scenario(target), "--out", out, *args], nproc, port,
+                                  env=env, timeout=timeout, log_path=os.path.join(out, "log.txt"))
+        else:  # under torchrun itself (a wrapping launcher, or ZSLAUNCH_TORCHRUN=1 in the environment)
+            cmd = list(launcher or []) + [
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
+            code, log, _ = run_group(cmd, env=env, timeout=timeout, merge=True)
+            with open(os.path.join(out, "log.txt"), "w") as fh:
+                fh.write(log)
     wall = time.time() - started
-    with open(os.path.join(out, "log.txt"), "w") as fh:
-        fh.write(log)
     ranks, ready = [], []
     for rank in range(nproc):
         path = os.path.join(out, f"rank{rank}.json")

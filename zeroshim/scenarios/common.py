@@ -286,10 +286,17 @@ def end_hang_scenario(args, results: dict, peers_may_hang: bool) -> None:
 
 
 def versions() -> dict:
+    """The versions a scenario ran with.  A package already imported reports its own ``__version__``; the
+    others are read from their installed metadata, found on ``sys.path`` as an import would find them (side
+    directories first), without importing them: importing peft, transformers and accelerate only to read a
+    version took about 5 s of each rank's start-up, and would apply the patches that wait for them."""
+    from importlib import metadata
+
     out = {"python": sys.version.split()[0]}
     for name in ("torch", "deepspeed", "transformers", "peft", "accelerate"):
+        module = sys.modules.get(name)
         try:
-            out[name] = __import__(name).__version__
+            out[name] = module.__version__ if module is not None else metadata.version(name)
         except Exception:
             out[name] = None
     return out
