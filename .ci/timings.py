@@ -1,14 +1,20 @@
 """Where CI's time went (issue #43): per test environment, per patch, and the slowest scenario launches,
-from what the nox `tests` sessions wrote under .ci-timings/ (noxfile.py TIMINGS).  Standard library only.
+from what the nox `tests` sessions wrote under .ci-timings/ (noxfile.py TIMINGS); and where each patch's proof
+passed.  Standard library only.
 
-    python3 .ci/timings.py [--elapsed SECONDS --budget SECONDS] [DIR]
+    python3 .ci/timings.py [--elapsed SECONDS --budget SECONDS] [--patches DIR] [DIR]
 
 Prints the account; with --budget, exits 1 when --elapsed is past it (the account says where the time went),
-so that growth shows long before CI's hard limit.  Missing or unreadable files are said, never fatal."""
+so that growth shows long before CI's hard limit.  With --patches (the repository's patches/), prints per
+patch the environments where its judge (patches/<name>/proof.py, the one `zeroshim prove` uses) found the
+bug without zeroshim and the fix with it, and exits 1 for a patch proven nowhere, unless its proof.py
+declares ``GPU_ONLY = "<why the CPU cannot show it>"``.  Missing or unreadable timing files are said, never
+fatal."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -79,20 +85,70 @@ def account(folder: str, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def gpu_only(proof_py: str) -> "str | None":
+    """The ``GPU_ONLY = "..."`` a proof.py declares (read without importing it), else None."""
+    try:
+        with open(proof_py) as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "GPU_ONLY" for t in node.targets)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return node.value.value
+    return None
+
+
+def proofs(folder: str, patches_dir: str) -> "tuple[str, list]":
+    """Per registered patch (a folder of ``patches_dir`` with an ``__init__.py``), the environments where its
+    judge proved it (``proofs-<env>.jsonl``); and the patches proven nowhere and not declared GPU-only."""
+    proven = collections.defaultdict(set)
+    judged = collections.defaultdict(set)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("proofs-") and name.endswith(".jsonl"):
+            for record in read_lines(os.path.join(folder, name)):
+                judged[record.get("patch")].add(record.get("env") or "?")
+                if record.get("proven"):
+                    proven[record.get("patch")].add(record.get("env") or "?")
+    names = sorted(n for n in os.listdir(patches_dir) if os.path.isfile(os.path.join(patches_dir, n, "__init__.py")))
+    lines = ["", f"== where each patch's proof passed ({len(names)} patches; its judge, as `zeroshim prove`) =="]
+    missing = []
+    for name in names:
+        gpu = gpu_only(os.path.join(patches_dir, name, "proof.py"))
+        if proven[name]:
+            lines.append(f"  {name:<32} proven in {', '.join(sorted(proven[name]))}")
+        elif gpu:
+            lines.append(f"  {name:<32} GPU-only: {gpu}")
+        else:
+            seen = f"judged in {', '.join(sorted(judged[name]))}, proven nowhere" if judged[name] else "never judged"
+            lines.append(f"  {name:<32} NOT PROVEN: {seen}")
+            missing.append(name)
+    return "\n".join(lines), missing
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", default=".ci-timings")
     parser.add_argument("--elapsed", type=float, help="CI's wall time so far, seconds")
     parser.add_argument("--budget", type=float, help="fail past this many seconds of --elapsed")
+    parser.add_argument("--patches", help="the patches/ folder: check that every patch's proof passed somewhere")
     args = parser.parse_args(argv)
     print(account(args.folder))
+    status = 0
+    if args.patches:
+        text, missing = proofs(args.folder, args.patches)
+        print(text)
+        if missing:
+            print(f"no environment proved {', '.join(missing)}: each patch's proof must pass in at least one CI "
+                  "environment (or its proof.py declares GPU_ONLY with the reason)", file=sys.stderr)
+            status = 1
     if args.budget is not None and args.elapsed is not None:
         if args.elapsed > args.budget:
             print(f"CI took {args.elapsed:.0f} s, past its budget of {args.budget:.0f} s (the account above says "
                   "where): make the slowest launches cheaper before adding more", file=sys.stderr)
             return 1
         print(f"CI took {args.elapsed:.0f} s of its {args.budget:.0f} s budget")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -14,9 +14,13 @@ from zeroshim._prove import ABORT_AT_EXIT
 #: The environment of the matrix where what does not depend on the release runs (tests marked
 #: ``once``, 1-rank variants; see conftest.py).  Outside nox (``ZSTEST_ENV`` unset) everything runs.
 ONCE_ENV = "ds0.19.8"
+#: The newest DeepSpeed, transformers and torch of the matrix: every patch's launches run there (tests/conftest.py
+#: ``placement``), beside the environments where its gate says affected.
+NEWEST_ENV = ONCE_ENV
 EVERYTHING_HERE = os.environ.get("ZSTEST_ENV") in (None, ONCE_ENV)
 
-TIMEOUT = int(os.environ.get("ZSTEST_TIMEOUT", "900"))
+#: every launch's wall-time bound where set; else each scenario's own (``_launch.timeout_of``)
+TIMEOUT = int(os.environ["ZSTEST_TIMEOUT"]) if os.environ.get("ZSTEST_TIMEOUT") else None
 
 
 def ds_before(version: str) -> bool:
@@ -82,11 +86,42 @@ def clean_env(device: str = "cpu", **extra: str) -> dict:
     return _launch.clean_env(device, **extra)
 
 
-def load_proof(name: str):
-    """Patch ``name``'s judge (``patches/<name>/proof.py``), the one ``zeroshim prove`` uses."""
+def load_proof(name: str, record: bool = True):
+    """Patch ``name``'s judge (``patches/<name>/proof.py``), the one ``zeroshim prove`` uses.  With
+    ``record``, each verdict its ``judge()`` gives on a real launch is also written to ``ZSTEST_PROOF_LOG``
+    (noxfile.py sets it per environment; .ci/timings.py fails CI where a patch's proof passed nowhere).
+    ``record=False`` for judges fed made-up results (tests/test_prove.py)."""
     from importlib import import_module
 
-    return import_module(f"zeroshim.patches.{name}.proof")
+    module = import_module(f"zeroshim.patches.{name}.proof")
+    return _RecordedProof(module, name) if record else module
+
+
+class _RecordedProof:
+    """A patch's proof module whose ``judge()`` verdicts are logged (see :func:`load_proof`)."""
+
+    def __init__(self, module, name: str):
+        self._module, self._name = module, name
+
+    def __getattr__(self, attr):
+        return getattr(self._module, attr)
+
+    def judge(self, *args, **kwargs):
+        verdict = self._module.judge(*args, **kwargs)
+        path = os.environ.get("ZSTEST_PROOF_LOG")
+        if path and isinstance(verdict, tuple) and len(verdict) == 3:
+            record = {"env": os.environ.get("ZSTEST_ENV"), "patch": self._name, "proven": bool(verdict[2]),
+                      "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+                      "without": str(verdict[0])[:160], "with": str(verdict[1])[:160]}
+            _append(path, record)
+        return verdict
+
+
+def _append(path: str, record: dict) -> None:
+    """One JSON line (pytest-xdist workers append to the same file: one short write each)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
 
 
 def log_launch(target: str, nproc: int, args, result: dict) -> None:
@@ -99,9 +134,7 @@ def log_launch(target: str, nproc: int, args, result: dict) -> None:
     record = {"env": os.environ.get("ZSTEST_ENV"), "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
               "target": target, "nproc": nproc, "args": [str(a) for a in args][:8],
               "returncode": result.get("returncode"), **result.get("timing", {})}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    _append(path, record)
 
 
 def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
@@ -109,7 +142,11 @@ def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | Non
     """Run scenario ``target`` -- a patch name (``patches/<name>/scenario.py``) or
     ``<patch>/<script>.py`` -- from the installed copy, on ``nproc`` ranks; return
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
-    result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=TIMEOUT)
+    timeout = TIMEOUT or _launch.timeout_of(target)
+    result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=timeout)
+    if result["returncode"] == -1:
+        raise AssertionError(f"{target} on {nproc} rank(s) ran past its {timeout:.0f} s bound (_launch.timeout_of) "
+                             "and was killed; log tail:\n" + result["log"][-6000:])
     log_launch(target, nproc, args, result)
     # Every rank wrote its results (the scenario's last step) and a rank then aborted at interpreter exit
     # ("terminate called without an active exception", issue #31 item 8; with and without zeroshim): judged
