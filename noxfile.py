@@ -19,8 +19,11 @@
 
 Each session is its own virtual environment.  torch is an axis (``TORCH_OF``):
 2.13.0 (CPU build; on the CI machine pip takes that wheel from local disk) for
-ds0.14.1, ds0.16.9, the clients and packaging; 2.14.1 for ds0.19.2; 2.15.0 for
-ds0.19.8 (both CUDA builds from PyPI that run on the CPU).  Elsewhere, set
+ds0.14.1, ds0.16.9, the light tf5.0.0, the clients and packaging; 2.14.1 for
+ds0.19.2; 2.15.0 for ds0.19.8 (both CUDA builds from PyPI that run on the CPU).
+A tests session runs its files in 2 pytest-xdist workers (``NOX_WORKERS``).
+Where a patch's launch tests run is not listed here: tests/conftest.py derives
+it from each patch's gate (where affected, and the newest environment).  Elsewhere, set
 ``NOX_TORCH_INDEX_URL`` (e.g. ``https://download.pytorch.org/whl/cpu``) to take
 CPU builds from PyTorch's index, ``NOX_WHEELHOUSE`` to a folder of downloaded
 wheels, or ``NOX_TORCH`` to test another torch everywhere.  The pins live here,
@@ -60,7 +63,12 @@ MATRIX = {
     "ds0.16.9": ["deepspeed==0.16.9", "transformers==4.49.*", "peft==0.14.*", "accelerate==1.15.0"],
     "ds0.19.2": ["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"],
     "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
+    # light: only transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form (see LIGHT)
+    "tf5.0.0": ["deepspeed==0.19.8", "transformers==5.0.0", "accelerate==1.15.0"],
 }
+# Light environments (issue #43 item 5): a stack that only the named patches' bugs need, where no full environment
+# shows them; they run only those patches' test files (tests/test_<name>*.py), on TORCH_DEFAULT.
+LIGHT = {"tf5.0.0": ("zero3_conversion_dropped_keys",)}
 # torch is an axis of the matrix (issue #46): the newest DeepSpeed on the newest torch, 0.19.2 (inside
 # the ranges of the most invasive patches, transformers 4.57 checkpointing reentrantly by default) on
 # the torch before it, the older releases on 2.13.0.  Each torch release thus runs the whole suite with
@@ -99,6 +107,36 @@ PREBUILD_COMM_OP = ("import sys\n"
                     "build_shm_op()\n")
 
 
+# pytest-xdist workers of a tests session (NOX_WORKERS; 0 runs the tests in pytest's own process).  A launch's 2
+# ranks keep about one of this machine's 2 cores busy (they wait on each other in collectives, and on rank 0's
+# saves; measured: 107 s wall for 102 s of CPU), so two files at a time fill both.  --dist loadfile: a test
+# file's module-scoped launches run once, in one worker.
+WORKERS = os.environ.get("NOX_WORKERS", "2")
+
+
+def _workers() -> list:
+    return [] if WORKERS in ("0", "1", "") else ["-n", WORKERS, "--dist", "loadfile"]
+
+
+def _matrix_pins() -> dict:
+    """The full environments (LIGHT left out), oldest first: package -> its pin (``0.19.2``, ``4.57.*``, or a
+    range as written), torch included.  tests/conftest.py runs a patch's launches once per distinct stack of the
+    packages its declaration names."""
+    pins = {}
+    for name, packages in MATRIX.items():
+        if name in LIGHT:
+            continue
+        pins[name] = {}
+        for spec in [_torch_spec(name), *packages]:
+            package, _, version = spec.partition("==")
+            if version:
+                pins[name][package] = version
+            else:
+                split = next((i for i, c in enumerate(spec) if c in "<>=!~"), len(spec))
+                pins[name][spec[:split]] = spec[split:] or "(unpinned)"
+    return pins
+
+
 def _torch_spec(env_name=None) -> str:
     return TORCH or TORCH_OF.get(env_name, TORCH_DEFAULT)
 
@@ -111,7 +149,9 @@ def _pip_env(session, **extra) -> dict:
     (these machines cap torch at 2.14.1, the newest on their disk), a session whose torch is other than
     TORCH_DEFAULT (2.15.0, an unpinned canary, NOX_TORCH) installs with the cap lifted: otherwise a later
     install (DeepSpeed depends on torch) would take torch back down to the cap."""
-    env = dict(extra)
+    # no byte-compiling at install: half of an install's CPU time (transformers alone: 33 s with, 16 s without,
+    # measured here), mostly for modules no test imports; the ones imported compile once, at first import
+    env = {"PIP_NO_COMPILE": "1", **extra}
     if _SESSION_TORCH.get(session.name, TORCH_DEFAULT) != TORCH_DEFAULT:
         env["PIP_CONSTRAINT"] = "/dev/null"
     return env
@@ -149,21 +189,26 @@ def tests(session, env):
     launch (wall and start-up time) are written under TIMINGS for .ci/run's account (.ci/timings.py)."""
     started = time.time()
     os.makedirs(TIMINGS, exist_ok=True)
-    launches = os.path.join(TIMINGS, f"launches-{env}.jsonl")
-    if os.path.exists(launches):
-        os.remove(launches)
+    launches, proofs = (os.path.join(TIMINGS, f"{kind}-{env}.jsonl") for kind in ("launches", "proofs"))
+    for old in (launches, proofs):
+        if os.path.exists(old):
+            os.remove(old)
     _install(session, env)
-    extra = {"ZSTEST_ENV": env, "ZSTEST_LAUNCH_LOG": launches}
+    extra = {"ZSTEST_ENV": env, "ZSTEST_LAUNCH_LOG": launches, "ZSTEST_PROOF_LOG": proofs,
+             "ZSTEST_MATRIX": json.dumps(_matrix_pins())}
     if env in NUMPY2_SIDE:
         side = os.path.join(session.virtualenv.location, "numpy2")
         _pip(session, "--no-deps", "--target", side, NUMPY2_SIDE[env])
         extra["ZSTEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
+    # only the test files of a light environment's patches (LIGHT), unless posargs name others
+    files = sorted(f for name in LIGHT.get(env, ()) for f in glob.glob(f"tests/test_{name}.py")
+                   + glob.glob(f"tests/test_{name}_*.py")) if not session.posargs else []
     # `pytest` (not `python -m pytest`): the installed zeroshim is tested, not the source tree.
     try:
-        session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *session.posargs,
-                    env=_env(session, **extra))
+        session.run("pytest", "-p", "no:cacheprovider", "--durations=25", *(_workers() if not files else []),
+                    *files, *session.posargs, env=_env(session, **extra))
     finally:
         with open(os.path.join(TIMINGS, "sessions.jsonl"), "a") as fh:
             fh.write(json.dumps({"session": session.name, "env": env, "torch": _SESSION_TORCH.get(session.name),

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from corekit import registry, target  # noqa: F401  (fixtures of the core's unit tests)
-from harness import ONCE_ENV
+from harness import NEWEST_ENV, ONCE_ENV
 
 
 def _has_cuda() -> bool:
@@ -21,11 +21,115 @@ def _one_rank_variant(item) -> bool:
     return callspec is not None and "1rank" in callspec.id.split("-")
 
 
+def patch_of(module_name: str, names) -> "str | None":
+    """The patch a test module proves: ``test_<patch>.py`` or ``test_<patch>_<aspect>.py`` (the longest
+    registered name that fits), else None (the core's, the CLI's, the matrix's own tests)."""
+    stem = module_name.rpartition(".")[2].removeprefix("test_")
+    fits = [name for name in names if stem == name or stem.startswith(name + "_")]
+    return max(fits, key=len) if fits else None
+
+
+def in_newest_range(patch) -> "bool | None":
+    """Whether the patch's version range holds the newest stack of the matrix (``_versions.NEWEST_TESTED``,
+    which tests/test_completeness.py keeps equal to NEWEST_ENV's pins); None where a package of the range is
+    not in it."""
+    from zeroshim import _versions
+
+    for package, spec in patch.affects.items():
+        version = _versions.NEWEST_TESTED.get(package)
+        if version is None:
+            return None
+        if spec and not _versions.in_range(version, spec):
+            return False
+    return True
+
+
+def matrix() -> dict:
+    """The full environments of the matrix, oldest first, with the pins of each (``ZSTEST_MATRIX``, JSON, set by
+    noxfile.py; {} outside nox)."""
+    import json
+
+    try:
+        return json.loads(os.environ.get("ZSTEST_MATRIX") or "{}")
+    except ValueError:
+        return {}
+
+
+def duplicate_of(patch, env: str, pins: dict) -> "tuple | None":
+    """A newer environment of the matrix whose pins of every package the patch's declaration names (its gate's
+    ``affects`` and its targets' packages) equal this one's: the bug and the fix are the same there, and the
+    newest of such environments runs the launches.  ``(that environment, the shared pins)`` or None."""
+    keys = sorted(set(patch.affects) | {module.split(".")[0] for module in patch.targets})
+    names = list(pins)
+    here = pins.get(env)
+    if here is None or any(key not in here for key in keys):
+        return None
+    for other in names[names.index(env) + 1:]:
+        if all(pins[other].get(key) == here[key] for key in keys):
+            return other, ", ".join(f"{key} {here[key]}" for key in keys)
+    return None
+
+
+def placement(patch, env: str, one_rank: bool, gate: "tuple | None" = None) -> "str | None":
+    """Why a launch test of ``patch`` does not run in environment ``env``, or None where it runs.  Derived
+    from the patch's declaration, never from a list of environments (issue #43): its launches run where its
+    gate (versions and source fingerprint) says affected, once per distinct stack of the packages its
+    declaration names (:func:`duplicate_of`), and in NEWEST_ENV, the newest DeepSpeed, transformers and torch
+    of the matrix (where it is not affected there, that is its run where the bug is absent and nothing may
+    change).  A 1-rank variant runs in NEWEST_ENV, and, for a patch whose range ends
+    before the newest stack, where its gate says affected.  ``gate``: the verdict for the stack the module's
+    launches run on where it is not this process's (``LAUNCH_GATE``: numpy 2 from a side directory)."""
+    from zeroshim._core import gate_verdict
+
+    if env == NEWEST_ENV:
+        return None
+    affected, reason = gate if gate is not None else gate_verdict(patch)
+    if not affected:
+        return (f"{patch.name} is not affected here ({reason}): its launches run where its gate says affected "
+                f"and in {NEWEST_ENV}, the newest stack")
+    twin = duplicate_of(patch, env, matrix()) if gate is None else None
+    if twin:
+        return (f"{patch.name} depends on {twin[1]} here, as in {twin[0]}, which runs its launches (the packages "
+                "its gate and targets name)")
+    if one_rank and in_newest_range(patch) is not False:
+        return (f"the 1-rank variant runs in {NEWEST_ENV}, where {patch.name} is affected too; here the "
+                "2-rank one, which partitions across ranks, proves this release")
+    if one_rank:
+        newest = newest_affected(patch, matrix())
+        if newest and newest != env:
+            return (f"the 1-rank variant runs in {NEWEST_ENV} and in {newest}, the newest environment where "
+                    f"{patch.name}'s range holds; here the 2-rank one proves this release")
+    return None
+
+
+def newest_affected(patch, pins: dict) -> "str | None":
+    """The newest full environment whose exact pins fall in every range of the patch's ``affects`` (None where
+    a pin is not exact, or none does): where its 1-rank variants run when the newest stack is outside."""
+    from zeroshim import _versions
+
+    found = None
+    for name, here in pins.items():
+        verdicts = []
+        for package, spec in patch.affects.items():
+            version = here.get(package, "")
+            if not version or not version[0].isdigit() or "*" in version:
+                return None
+            verdicts.append(not spec or _versions.in_range(version, spec))
+        if all(verdicts):
+            found = name
+    return found
+
+
 def pytest_collection_modifyitems(config, items):
     env = os.environ.get("ZSTEST_ENV")
     if env is not None:
+        import zeroshim
+        from zeroshim._core import patch_names
+
+        names = patch_names()
         once = pytest.mark.skip(reason=f"does not depend on the DeepSpeed release: runs once, in {ONCE_ENV}")
         bench = os.environ.get("ZSTEST_BENCH") == "1"
+        verdicts: dict = {}
         for item in items:
             if ("bench" in item.keywords) != bench:
                 # the benchmark smokes run in `nox -s bench` (ZSTEST_BENCH=1, which runs nothing else)
@@ -33,26 +137,24 @@ def pytest_collection_modifyitems(config, items):
                                                  else "`nox -s bench` runs the benchmark smokes only"))
             elif "once" in item.keywords and env != ONCE_ENV:
                 item.add_marker(once)
-            elif "deepspeed" in item.keywords and getattr(item.module, "ENVS", None) and env not in item.module.ENVS:
-                # a module that names the releases its launches prove (ENVS, with ENVS_REASON): the others skip them
-                item.add_marker(pytest.mark.skip(reason=f"runs in {', '.join(item.module.ENVS)}: "
-                                                        f"{item.module.ENVS_REASON}"))
-            elif ("deepspeed" in item.keywords and getattr(item.module, "INERT_ENVS", None)
-                  and not item.module.AFFECTED and env not in item.module.INERT_ENVS):
-                # not affected in this release, so the patch installs nothing here (tests/test_inert_gates.py
-                # checks that gate in-process); its launches where the bug is absent (nothing may change) run
-                # in INERT_ENVS, and in every release where it is affected
-                item.add_marker(pytest.mark.skip(reason=f"not affected in this release: its run where the bug is "
-                                                        f"absent is proven in {', '.join(item.module.INERT_ENVS)}, "
-                                                        "and the gate here by tests/test_inert_gates.py"))
-            elif "deepspeed" in item.keywords and _one_rank_variant(item):
-                # a test module whose patch is not affected in ONCE_ENV also names where its 1-rank runs
-                # prove it (ONE_RANK_ENVS); the 1-rank variants run in ONCE_ENV in any case
-                where = (ONCE_ENV,) + tuple(getattr(item.module, "ONE_RANK_ENVS", ()))
-                if env not in where:
-                    item.add_marker(pytest.mark.skip(reason=f"the 1-rank variant runs in {', '.join(where)}; here "
-                                                            "the 2-rank one, which partitions across ranks, proves "
-                                                            "this release"))
+            elif "deepspeed" not in item.keywords:
+                continue
+            elif getattr(item.module, "ENVS", None):
+                # a module that proves no one patch (the differential sample, the multi-node runners) names the
+                # releases its launches prove (ENVS, with ENVS_REASON)
+                if env not in item.module.ENVS:
+                    item.add_marker(pytest.mark.skip(reason=f"runs in {', '.join(item.module.ENVS)}: "
+                                                            f"{item.module.ENVS_REASON}"))
+            else:
+                name = patch_of(item.module.__name__, names)
+                if name is None:
+                    continue
+                key = (name, _one_rank_variant(item), item.module.__name__)
+                if key not in verdicts:
+                    verdicts[key] = placement(zeroshim.get_patch(name), env, key[1],
+                                              getattr(item.module, "LAUNCH_GATE", None))
+                if verdicts[key]:
+                    item.add_marker(pytest.mark.skip(reason=verdicts[key]))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

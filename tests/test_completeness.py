@@ -115,3 +115,51 @@ def test_newest_tested_is_the_newest_pin_of_the_ci_matrix():
         versions = [s.partition("==")[2].removesuffix(".*") for s in specs]
         newest[name] = max(versions, key=Version)
     assert newest == _versions.NEWEST_TESTED
+
+
+# -- where each patch's launches run (issue #43): derived from its declaration ----------------------------------------
+
+HAND_LISTS = ("ENVS", "INERT_ENVS", "ONE_RANK_ENVS")
+
+
+def test_where_launches_run_is_derived_not_listed():
+    """tests/conftest.py ``placement`` decides from each patch's gate where its launch tests run; a module that
+    proves a patch keeps no list of environments.  Only modules that prove no one patch (the differential
+    sample, the multi-node runners) name theirs (``ENVS``), with the reason, and only environments that exist."""
+    from conftest import patch_of
+
+    matrix = _noxfile_literal("MATRIX")
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                    if isinstance(t, ast.Name)}
+        lists = assigned & set(HAND_LISTS)
+        if patch_of(path.stem, NAMES) is not None:
+            assert not lists, f"{path.name} proves a patch and lists environments ({sorted(lists)}): remove them"
+        elif "ENVS" in assigned:
+            assert "ENVS_REASON" in assigned, f"{path.name} names its environments without ENVS_REASON"
+            module = __import__(path.stem)
+            assert set(module.ENVS) <= set(matrix), (path.name, module.ENVS)
+
+
+def test_the_newest_environment_holds_the_newest_stack():
+    """Every patch's launches run in NEWEST_ENV (tests/conftest.py): it must hold the matrix's newest DeepSpeed,
+    transformers and torch (zeroshim._versions.NEWEST_TESTED, checked against the pins above)."""
+    from harness import NEWEST_ENV
+    from zeroshim import _versions
+
+    matrix, torch_of = _noxfile_literal("MATRIX"), _noxfile_literal("TORCH_OF")
+    pins = dict(spec.partition("==")[::2] for spec in matrix[NEWEST_ENV])
+    held = {"deepspeed": pins["deepspeed"], "transformers": pins["transformers"].removesuffix(".*"),
+            "torch": torch_of.get(NEWEST_ENV, _noxfile_literal("TORCH_DEFAULT")).partition("==")[2]}
+    assert held == _versions.NEWEST_TESTED, (NEWEST_ENV, held)
+
+
+def test_light_environments_name_registered_patches():
+    """A light environment (noxfile.py LIGHT) exists for the named patches' proofs and runs only their tests."""
+    light, matrix = _noxfile_literal("LIGHT"), _noxfile_literal("MATRIX")
+    for env, names in light.items():
+        assert env in matrix, env
+        assert set(names) <= set(NAMES), (env, names)
+        for name in names:
+            assert (TESTS / f"test_{name}.py").exists(), name

@@ -18,6 +18,11 @@ from zeroshim import _versions
 PATCH = zeroshim.get_patch("numpy2_compat")
 NUMPY2 = os.environ.get("ZSTEST_NUMPY2")
 needs_numpy2 = pytest.mark.skipif(not NUMPY2, reason="no numpy 2 side directory in this environment")
+# The launches run DeepSpeed with the side directory's numpy 2, not this process's numpy: the gate for that stack
+# (placement in tests/conftest.py), from the installed DeepSpeed and the side directory's presence.
+_DS = _versions.installed("deepspeed")
+LAUNCH_GATE = (bool(NUMPY2) and _DS is not None and _versions.base_version(_DS) < _versions.base_version("0.14.4"),
+               f"numpy 2 from {NUMPY2} with deepspeed {_DS}" if NUMPY2 else "no numpy 2 side directory here")
 
 
 def test_status_here():

@@ -25,8 +25,6 @@ DS = _versions.installed("deepspeed")
 # 0.14.3), not read from the patch's gate: tests/test_inert_gates.py compares the two
 AFFECTED = DS is not None and (_versions.base_version("0.14.1") <= _versions.base_version(DS)
                                < _versions.base_version("0.14.3"))
-# where not affected the patch installs nothing: its launches there (nothing may change) run in one release
-INERT_ENVS = ("ds0.19.8",)
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,6 @@ import zeroshim
 from harness import PORTABLE_ISA, clean_env, ds_before, load_proof, matches, torchrun
 
 pytestmark = pytest.mark.deepspeed
-#: the 1-rank variants also run here, where the patch is affected (DeepSpeed < 0.19.3; tests/conftest.py)
-ONE_RANK_ENVS = ("ds0.19.2",)
 PATCH = zeroshim.get_patch("zero3_frozen_recompute")
 AFFECTED = ds_before("0.19.3")
 # Recorded with DeepSpeed 0.19.8 (transformers 5.23, peft 0.21), no zeroshim, by

@@ -49,9 +49,10 @@ def test_an_explicit_false_is_honoured(runs):
         assert len(rank["explicit_false"]["tokens"]) == 4 + 3
 
 
-def test_never_adds_a_collective_over_ranks_that_do_not_generate(runs):
-    # a model partitioned over a sub-group (rank 0 alone): transformers' synced_gpus would all-reduce over
-    # both ranks, one of which does not generate; a model over every rank is synced
+def test_decides_not_to_sync_a_model_partitioned_over_a_subgroup(runs):
+    # the patch's decision for a model partitioned over a sub-group (rank 0 alone): transformers' synced_gpus
+    # would all-reduce over both ranks, one of which does not generate, so it is not turned on; a model over
+    # every rank is.  (The decision, asked on both ranks; no generate() over a sub-group runs here.)
     rank0, rank1 = runs["with"]
     assert rank0["subgroup"]["subgroup_size"] == 1 and rank0["subgroup"]["subgroup_synced"] is False
     assert rank0["subgroup"]["world_synced"] is True and rank1["subgroup"]["world_synced"] is True
