@@ -84,7 +84,16 @@ def test_readme_block_is_generated_from_the_declarations():
     assert _docs.replace_block(readme, _docs.render()) == readme, \
         "README.md's patch block is stale: run `python -m zeroshim._docs README.md`"
     for name in NAMES:
-        assert f"| [`{name}`](#{name}) |" in readme
+        assert f"| [`{name}`](docs/patches/{name}.md) |" in readme
+
+
+def test_each_patch_page_is_generated_from_its_declaration():
+    """docs/patches/<name>.md and its index are what zeroshim._docs produces now, and nothing else is there."""
+    folder = REPO / _docs.PAGES
+    wanted = _docs.pages()
+    assert sorted(p.name for p in folder.glob("*")) == sorted(wanted), "run `python -m zeroshim._docs README.md`"
+    for file, text in wanted.items():
+        assert (folder / file).read_text() == text, f"{file} is stale: run `python -m zeroshim._docs README.md`"
 
 
 def _noxfile_literal(name: str):

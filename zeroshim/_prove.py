@@ -68,7 +68,7 @@ def ranks_of(result: dict) -> list:
     """The per-rank results of a launch, or :class:`Unproven` with the root cause
     and where the log is.  A launch whose every rank wrote its results and that
     then aborted at interpreter exit (gloo's run loop during finalisation, see
-    the README's crashes section) is judged by its results."""
+    docs/multinode.md) is judged by its results."""
     ranks = result["ranks"]
     if None in ranks:
         code = result["returncode"]
