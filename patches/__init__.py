@@ -39,4 +39,5 @@ PATCH_MODULES = (
     "zero3_conversion_dropped_keys",
     "loss_without_grad",
     "stale_build_lock",
+    "warmup_lr_groups",
 )
