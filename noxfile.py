@@ -16,6 +16,7 @@
                             inside tests(env='ds0.19.2'))
     nox -s packaging        build the sdist and wheel, check the wheel's files, install it beside
                             old pins (DeepSpeed 0.12.3, transformers 4.34.0): nothing may move
+    nox -s docs             the docs site (mkdocs, warnings as errors): build/docs/site/
 
 Each session is its own virtual environment.  torch is an axis (``TORCH_OF``):
 2.13.0 (CPU build; on the CI machine pip takes that wheel from local disk) for
@@ -390,6 +391,24 @@ def differential(session):
     _install(session, DIFFERENTIAL_ENV)
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "tests/differential/run.py", *session.posargs, env=_env(session))
+
+
+# The docs site (zeroshim/_docs.py says why mkdocs): the pins of its build.
+DOCS_PINS = ["mkdocs==1.6.1", "mkdocs-material==9.*"]
+
+
+@nox.session
+def docs(session):
+    """The docs site: the README as the home page, a page per patch generated from its declaration
+    (docs/patches/, checked current first), the reference pages, RESULTS and the CHANGELOG, built by mkdocs with
+    warnings as errors (a broken link, a page left out of the navigation).  Writes build/docs/site/."""
+    session.install(*DOCS_PINS, env={"PIP_NO_COMPILE": "1"})
+    session.install("--no-deps", ".")
+    session.install("packaging", "wrapt")
+    session.run("python", "-m", "zeroshim._docs", "--check", "README.md")
+    session.run("python", "-c", "from zeroshim import _docs; _docs.stage('build/docs', '.')")
+    session.run("mkdocs", "build", "--strict", "-f", "build/docs/mkdocs.yml", env={"NO_MKDOCS_2_WARNING": "1"})
+    session.log("site: build/docs/site/index.html")
 
 
 # `nox -s packaging`: the pins a user may hold that zeroshim must install beside without moving

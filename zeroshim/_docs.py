@@ -13,6 +13,7 @@ page is not what this produces::
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -155,6 +156,88 @@ def pages() -> "dict[str, str]":
     out = {f"{name}.md": render_page(name) for name in patch_names()}
     out["index.md"] = render_index()
     return out
+
+
+# The docs site (``nox -s docs``): mkdocs with the material theme, because every source is Markdown already (the
+# README, the generated patch pages, RESULTS, CHANGELOG) and mkdocs builds it as it is; Sphinx would need MyST
+# and a second syntax for the same pages.  ``stage`` assembles the site's sources from the repository.
+MKDOCS_CONFIG = """site_name: zeroshim
+docs_dir: src
+site_dir: site
+theme:
+  name: material
+  features: [navigation.sections]
+nav:
+  - Home: index.md
+  - Patches:
+{patches}
+  - Diagnose: diagnose.md
+  - Flags and API: configuration.md
+  - Many ranks, many nodes: multinode.md
+  - Next to other frameworks: frameworks.md
+  - Testing and CI: testing.md
+  - Contributing: contributing.md
+  - Results: results.md
+  - Changelog: changelog.md
+validation:
+  omitted_files: warn
+  absolute_links: warn
+  unrecognized_links: warn
+  anchors: info
+"""
+
+# repository path (as the README links it) -> page of the site
+_SITE_NAMES = {"benchmarks/RESULTS.md": "results.md", "CHANGELOG.md": "changelog.md",
+               "CONTRIBUTING.md": "contributing.md"}
+
+
+def _site_links(text: str, folder: str, site_folder: str) -> str:
+    """Links of a page that lives in ``folder`` of the repository, rewritten for its place ``site_folder`` in the
+    site: links to pages go to their page; links to other files of the repository (a script, LICENSE) keep
+    their text and name the path, since the site does not carry them."""
+
+    def fix(match):
+        label, target = match.group(1), match.group(2)
+        if target.startswith(("http://", "https://", "#")):
+            return match.group(0)
+        path = os.path.normpath(os.path.join(folder, target)).replace(os.sep, "/")
+        if path in _SITE_NAMES:
+            site = _SITE_NAMES[path]
+        elif path.startswith("docs/") and path.endswith(".md"):
+            site = path[len("docs/"):]
+        else:
+            return f"{label} (`{path}`)"
+        return f"{label}({os.path.relpath(site, site_folder or '.').replace(os.sep, '/')})"
+
+    return re.sub(r"(\[[^\]]*\])\(([^)\s]+)\)", fix, text)
+
+
+def stage(dest: str, root: str) -> None:
+    """Write the site's sources under ``dest``: ``mkdocs.yml`` and ``src/`` (the README as the home page, the
+    pages of docs/, RESULTS, CHANGELOG and CONTRIBUTING), links rewritten for the site."""
+    import shutil
+
+    src = os.path.join(dest, "src")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(os.path.join(src, "patches"))
+    names = ["index.md"] + sorted(n for n in os.listdir(os.path.join(root, PAGES)) if n != "index.md")
+    with open(os.path.join(dest, "mkdocs.yml"), "w", encoding="utf-8") as fh:
+        fh.write(MKDOCS_CONFIG.replace("{patches}", "\n".join(f"      - patches/{n}" for n in names)))
+
+    def put(source: str, target: str) -> None:
+        with open(os.path.join(root, source), encoding="utf-8") as fh:
+            text = fh.read()
+        with open(os.path.join(src, target), "w", encoding="utf-8") as fh:
+            fh.write(_site_links(text, os.path.dirname(source), os.path.dirname(target)))
+
+    put("README.md", "index.md")
+    for page, site in _SITE_NAMES.items():
+        put(page, site)
+    for name in sorted(os.listdir(os.path.join(root, "docs"))):
+        if name.endswith(".md") and name != "PYPI.md":
+            put(os.path.join("docs", name), name)
+    for name in sorted(os.listdir(os.path.join(root, PAGES))):
+        put(os.path.join(PAGES, name), os.path.join("patches", name))
 
 
 def replace_block(readme: str, block: str) -> str:
