@@ -144,10 +144,10 @@ def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | Non
     ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
     timeout = TIMEOUT or _launch.timeout_of(target)
     result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=timeout)
+    log_launch(target, nproc, args, result)
     if result["returncode"] == -1:
         raise AssertionError(f"{target} on {nproc} rank(s) ran past its {timeout:.0f} s bound (_launch.timeout_of) "
                              "and was killed; log tail:\n" + result["log"][-6000:])
-    log_launch(target, nproc, args, result)
     # Every rank wrote its results (the scenario's last step) and a rank then aborted at interpreter exit
     # ("terminate called without an active exception", issue #31 item 8; with and without zeroshim): judged
     # by the results, as `zeroshim prove` does, and said in the test output.

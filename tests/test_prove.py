@@ -209,3 +209,26 @@ def test_moe_gloo_abort_without_zeroshim_is_the_bug_and_a_rank_dying_with_it_is_
     launches["without"] = dict(aborted, log="Killed\n")  # no gloo mismatch: not taken as the bug
     with pytest.raises(_prove.Unproven, match="without zeroshim"):
         proof.prove(launch, "/tmp/x", 2, "cpu")
+
+
+def test_the_table_fits_100_columns_and_names_no_paths():
+    """`zeroshim prove`'s table (issue #45 item 5): one row per patch within 100 columns, the short reason
+    only, no file paths; the full texts are in the summary it names."""
+    long_path = "/home/user/.venvs/train/lib/python3.11/site-packages/deepspeed/runtime/zero/stage3.py"
+    rows = [{"patch": "zero3_conversion_dropped_keys", "state": "applied", "proven": True, "seconds": 41.6,
+             "without": f"ZeRO-3, no zeroshim: 17 of 21 parameters differ from the load without ZeRO-3 ({long_path})",
+             "with": "with zeroshim: 0 of 21 parameters differ " * 5},
+            {"patch": "zero_no_sync", "state": "applied", "proven": False, "seconds": 3.0, "without": "x",
+             "with": f"could not run: the launch exited 1, rank(s) 1 wrote no result: RuntimeError (log: {long_path})"},
+            {"patch": "numpy2_compat", "state": "skipped", "proven": None, "seconds": 0.0,
+             "without": "not run: skipped (not affected: " + "numpy 1.26.4 is outside the range >=2 " * 6 + ")",
+             "with": ""}]
+    text = _prove.table(rows, {"torch": "2.15.0", "deepspeed": "0.19.8"}, "/tmp/keep/summary.md")
+    lines = text.splitlines()
+    assert all(len(line) <= 100 for line in lines), [len(line) for line in lines]
+    assert "site-packages" not in text and "/home/user" not in text
+    assert any(line.startswith("zero3_conversion_dropped_keys  yes 42s") and "17 of 21" in line for line in lines)
+    assert any(line.startswith("zero_no_sync") and " NO " in line and "could not run" in line for line in lines)
+    assert "Each row in full: /tmp/keep/summary.md" in text
+    full = _prove.details_table(rows, {"torch": "2.15.0"})
+    assert long_path in full and rows[0]["with"] in full  # nothing lost there

@@ -194,19 +194,57 @@ def prove(names=None, nproc: int = 2, device: str = "cpu", keep: "str | None" = 
     return rows
 
 
-def table(rows, versions: dict) -> str:
+WIDTH = 100  # the terminal the table must fit
+
+
+_PATH = re.compile(r"(?:/[\w.+-]+){2,}/([\w.+-]+)")
+
+
+def short(text: str, width: int) -> str:
+    """One line of at most ``width`` characters: file paths cut to their last part, whitespace collapsed,
+    the tail cut at a word with an ellipsis."""
+    text = re.sub(r"\s+", " ", _PATH.sub(r"\1", str(text))).strip()
+    if len(text) <= width:
+        return text
+    cut = text[:width - 1].rsplit(" ", 1)[0] if " " in text[:width - 1] else text[:width - 1]
+    return cut.rstrip(" ,;:(") + "…"
+
+
+def table(rows, versions: dict, details: "str | None" = None) -> str:
+    """The terminal table: one row per patch within :data:`WIDTH` columns, the short reason only (what
+    failed without zeroshim where proven; what went wrong where not; why it did not run); the full texts are
+    in :func:`details_table` (``details``: where it was written)."""
+    name_w = max([len("patch")] + [len(r["patch"]) for r in rows])
+    head = f"{'patch':<{name_w}}  {'proven':<8}  "
+    room = WIDTH - len(head)
+    lines = [short("zeroshim prove: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), WIDTH), "",
+             head + "without zeroshim (where proven), or why not", "-" * WIDTH]
+    for row in rows:
+        verdict = {True: f"yes {row['seconds']:.0f}s", False: "NO", None: "-"}[row["proven"]]
+        reason = row["without"] if row["proven"] else (row["with"] or row["without"]) if row["proven"] is False \
+            else row["without"]
+        lines.append(f"{row['patch']:<{name_w}}  {verdict:<8}  {short(reason, room)}")
+    ran = [r for r in rows if r["proven"] is not None]
+    rest = len(rows) - len(ran)
+    import textwrap
+
+    lines += ["", textwrap.fill(f"{sum(1 for r in ran if r['proven'])} of {len(ran)} patch(es) that apply here "
+                                "proved themselves" + (f"; {rest} did not run (not affected here, turned off, or a "
+                                                       "reproduction that cannot show its bug here: see its row)"
+                                                       if rest else "") + ".", WIDTH)]
+    if details:
+        lines.append(f"Each row in full: {details}")
+    return "\n".join(lines)
+
+
+def details_table(rows, versions: dict) -> str:
+    """Every row with its full texts (Markdown), written to ``summary.md`` in the log folder."""
     lines = ["zeroshim prove: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), "",
              "| patch | without zeroshim | with zeroshim | proven |", "|---|---|---|---|"]
     for row in rows:
         verdict = {True: f"yes ({row['seconds']:.0f} s)", False: "NO", None: "-"}[row["proven"]]
         lines.append(f"| {row['patch']} | {row['without']} | {row['with']} | {verdict} |")
-    ran = [r for r in rows if r["proven"] is not None]
-    lines.append("")
-    rest = len(rows) - len(ran)
-    lines.append(f"{sum(1 for r in ran if r['proven'])} of {len(ran)} patch(es) that apply here proved themselves"
-                 + (f"; {rest} did not run (not affected here, turned off, or a reproduction that cannot show "
-                    "its bug here: see its row)" if rest else "") + ".")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def main(args) -> int:
@@ -225,9 +263,12 @@ def main(args) -> int:
     keep = args.keep or tempfile.mkdtemp(prefix="zeroshim-prove-")
     rows = prove(names, nproc=args.nproc, device=args.device, keep=keep, echo=echo)
     versions = {p: _versions.installed(p) for p in ("torch", "deepspeed", "transformers", "peft")}
+    details = os.path.join(keep, "summary.md")
+    with open(details, "w", encoding="utf-8") as fh:
+        fh.write(details_table(rows, versions))
     if args.json:
         print(json.dumps({"versions": versions, "rows": rows}, indent=2))
     else:
-        print(table(rows, versions))
+        print(table(rows, versions, details))
         print(f"Logs of every run: {keep}")
     return 0 if all(r["proven"] is not False for r in rows) else 1
