@@ -124,6 +124,17 @@ def test_inconsistent_offload_settings(zero, needle):
     assert any(needle in m for m in messages), messages
 
 
+def test_a_config_without_gradient_clipping_says_what_deepspeed_does(tmp_path):
+    """#44 item 2: without the key, HF Trainer's and accelerate's max_grad_norm never reaches DeepSpeed, which
+    clips at its own default: 0 before 0.19.3, 1.0 from it."""
+    messages = [f["message"] for f in _cli.check_config({"zero_optimization": {"stage": 2}})]
+    said = [m for m in messages if m.startswith("no gradient_clipping")]
+    assert len(said) == 1, messages
+    assert ("clips gradients at 1.0" in said[0]) == (not ds_before("0.19.3")), said
+    assert not [m for m in (f["message"] for f in _cli.check_config({"gradient_clipping": "auto"}))
+                if m.startswith("no gradient_clipping")]
+
+
 def test_doctor_exit_status_unreadable_config(tmp_path):
     out = cli("doctor", "--config", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "could not read it" in out.stdout
@@ -138,7 +149,7 @@ def test_doctor_exit_status_error_finding_and_clean_config(tmp_path):
     assert out.returncode == 1, out.stdout
     assert "ERROR: offload_param=cpu needs ZeRO stage 3" in out.stdout
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    good.write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {"stage": 0}}))
     out = cli("doctor", "--config", str(good))
     assert out.returncode == 0 and "nothing risky found" in out.stdout
     report = json.loads(cli("doctor", "--json", "--config", str(bad)).stdout)
