@@ -135,6 +135,17 @@ def test_a_config_without_gradient_clipping_says_what_deepspeed_does(tmp_path):
                 if m.startswith("no gradient_clipping")]
 
 
+@pytest.mark.parametrize("steps,level", [("auto", "warning"), (0, "error"), (10, None)])
+def test_a_warmup_scheduler_with_no_warmup_steps(steps, level):
+    """#44 item 10: DeepSpeed >= 0.19.3 (not 0.19.6: read in the sdists) refuses warmup_num_steps <= 0, which
+    is what HF Trainer puts for "auto" unless warmup is asked for."""
+    config = {"gradient_clipping": 1.0,
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": steps, "total_num_steps": 100}}}
+    said = [f for f in _cli.check_config(config) if "warmup_num_steps" in f["message"]]
+    expected = level if not ds_before("0.19.3") else None
+    assert [f["level"] for f in said] == ([expected] if expected else []), said
+
+
 def test_doctor_exit_status_unreadable_config(tmp_path):
     out = cli("doctor", "--config", str(tmp_path / "missing.json"))
     assert out.returncode == 2 and "could not read it" in out.stdout
