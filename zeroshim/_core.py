@@ -19,7 +19,7 @@ from . import _flags, _hooks, _log, _versions
 from ._patcher import NotAffected, Patcher, TargetChanged
 
 if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
-    from typing import Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+    from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
     ApplyFn = Callable[[object, Patcher], None]
 
@@ -218,15 +218,6 @@ def _settings() -> _flags.Settings:
         settings.modes[name] = "off"
         settings.mode_by[name] = "zeroshim.unpatch()"
     return settings
-
-
-def reload_environ(environ: Optional[Mapping[str, str]] = None) -> None:
-    """Re-read the ``ZEROSHIM_*`` variables (from ``environ`` if given) and sync."""
-    global _env_settings
-    with _lock:
-        _env_settings = _flags.from_environ(patch_names(), environ)
-        _flags.configure_logging(environ)
-    sync()
 
 
 def configure(enabled: Optional[bool] = None, only: Optional[Iterable[str]] = None, **modes: object) -> None:

@@ -163,10 +163,6 @@ class Patcher:
                       len(self._aliases), getattr(original, "__qualname__", original))
 
     # -- undoing ------------------------------------------------------------------
-    @property
-    def changed(self) -> bool:
-        return bool(self._changes or self._aliases)
-
     def undo(self) -> None:
         """Restore every recorded change, newest first.  Each attribute is put
         back only if it still holds what this patcher put there; if somebody
