@@ -198,3 +198,74 @@ def test_optional_target_does_not_hold_the_patch_pending(target, registry, tmp_p
 def test_optional_targets_must_be_targets():
     with pytest.raises(ValueError, match="optional targets of p that are not targets"):
         zeroshim.Patch(name="p", summary="", signatures=(), affects={}, targets={"a": None}, optional=("b",))
+
+
+# -- post-import hooks and other threads' imports (issue #47 item 4) ------------------------------------------------
+
+def _slow_module(tmp_path, name: str, seconds: float):
+    (tmp_path / f"{name}.py").write_text(f"import time\ntime.sleep({seconds})\nVALUE = 42\n")
+
+
+def test_a_hook_registered_while_another_thread_imports_the_module_fires(tmp_path, monkeypatch):
+    """The import started before any hook asked for the module (so no zeroshim loader runs it); a hook
+    registered while it is under way must still fire when it ends, with the finished module.  Before, the hook
+    was left in the table and the patch stayed pending for good."""
+    import threading
+    import time
+
+    from zeroshim import _hooks
+
+    name = "zs_slow_import_a"
+    _slow_module(tmp_path, name, 0.5)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    importer = threading.Thread(target=__import__, args=(name,))
+    importer.start()
+    deadline = time.time() + 10
+    while name not in sys.modules and time.time() < deadline:
+        time.sleep(0.001)
+    assert name in sys.modules, "the other thread's import did not start"
+    fired = []
+    _hooks.register(name, lambda module: fired.append(getattr(module, "VALUE", None)))
+    importer.join()
+    deadline = time.time() + 10
+    while not fired and time.time() < deadline:
+        time.sleep(0.01)
+    assert fired == [42]
+
+
+def test_many_threads_registering_and_importing_fire_every_hook_once(tmp_path, monkeypatch):
+    """Threads importing watched and unwatched modules while others register hooks for them (transformers 5
+    loads weights in threads): every hook fires exactly once, with the finished module."""
+    import threading
+
+    from zeroshim import _hooks
+
+    names = [f"zs_race_mod_{i}" for i in range(12)]
+    for i, name in enumerate(names):
+        _slow_module(tmp_path, name, 0.01 * (i % 4))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    fired: dict = {name: [] for name in names}
+    barrier = threading.Barrier(len(names) * 2)
+
+    def register(name):
+        barrier.wait()
+        _hooks.register(name, lambda module: fired[name].append(module.VALUE))
+
+    def load(name):
+        barrier.wait()
+        __import__(name)
+
+    threads = [threading.Thread(target=f, args=(n,)) for n in names for f in (register, load)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    import time
+
+    deadline = time.time() + 10
+    while any(len(v) != 1 for v in fired.values()) and time.time() < deadline:
+        time.sleep(0.01)
+    assert fired == {name: [42] for name in names}
