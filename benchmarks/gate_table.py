@@ -130,6 +130,8 @@ REQUIREMENTS = {
     "zero3_peft_save": [],
     "loss_without_grad": [("attr", E, "DeepSpeedEngine.backward"), ("params", E, "DeepSpeedEngine.backward", ("loss",))],
     "stale_build_lock": [],  # torch's build lock: no DeepSpeed target
+    "warmup_lr_groups": [("params", "deepspeed.runtime.lr_schedules", "WarmupLR.__init__",
+                          ("optimizer", "warmup_min_lr", "warmup_max_lr"))],
     "zero_no_sync": [
         ("attr", E, "DeepSpeedEngine.zero_optimization_partition_gradients"),
         ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),
