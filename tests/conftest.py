@@ -29,19 +29,26 @@ def patch_of(module_name: str, names) -> "str | None":
     return max(fits, key=len) if fits else None
 
 
-def in_newest_range(patch) -> "bool | None":
-    """Whether the patch's version range holds the newest stack of the matrix (``_versions.NEWEST_TESTED``,
-    which tests/test_completeness.py keeps equal to NEWEST_ENV's pins); None where a package of the range is
-    not in it."""
+def range_holds(patch, versions: dict) -> "bool | None":
+    """Whether every range of the patch's ``affects`` holds for ``versions`` (package -> version); None where
+    a package of the range has no exact version there (absent, a wildcard or a range pin)."""
     from zeroshim import _versions
 
     for package, spec in patch.affects.items():
-        version = _versions.NEWEST_TESTED.get(package)
-        if version is None:
+        version = versions.get(package) or ""
+        if not version[:1].isdigit() or "*" in version:
             return None
         if spec and not _versions.in_range(version, spec):
             return False
     return True
+
+
+def in_newest_range(patch) -> "bool | None":
+    """Whether the patch's version range holds the newest stack of the matrix (``_versions.NEWEST_TESTED``,
+    which tests/test_completeness.py keeps equal to NEWEST_ENV's pins)."""
+    from zeroshim import _versions
+
+    return range_holds(patch, _versions.NEWEST_TESTED)
 
 
 def matrix() -> dict:
@@ -70,7 +77,7 @@ def duplicate_of(patch, env: str, pins: dict) -> "tuple | None":
     return None
 
 
-def placement(patch, env: str, one_rank: bool, gate: "tuple | None" = None) -> "str | None":
+def placement(patch, env: str, one_rank: bool, pins: dict, gate: "tuple | None" = None) -> "str | None":
     """Why a launch test of ``patch`` does not run in environment ``env``, or None where it runs.  Derived
     from the patch's declaration, never from a list of environments (issue #43): its launches run where its
     gate (versions and source fingerprint) says affected, once per distinct stack of the packages its
@@ -87,7 +94,7 @@ def placement(patch, env: str, one_rank: bool, gate: "tuple | None" = None) -> "
     if not affected:
         return (f"{patch.name} is not affected here ({reason}): its launches run where its gate says affected "
                 f"and in {NEWEST_ENV}, the newest stack")
-    twin = duplicate_of(patch, env, matrix()) if gate is None else None
+    twin = duplicate_of(patch, env, pins) if gate is None else None
     if twin:
         return (f"{patch.name} depends on {twin[1]} here, as in {twin[0]}, which runs its launches (the packages "
                 "its gate and targets name)")
@@ -95,7 +102,7 @@ def placement(patch, env: str, one_rank: bool, gate: "tuple | None" = None) -> "
         return (f"the 1-rank variant runs in {NEWEST_ENV}, where {patch.name} is affected too; here the "
                 "2-rank one, which partitions across ranks, proves this release")
     if one_rank:
-        newest = newest_affected(patch, matrix())
+        newest = newest_affected(patch, pins)
         if newest and newest != env:
             return (f"the 1-rank variant runs in {NEWEST_ENV} and in {newest}, the newest environment where "
                     f"{patch.name}'s range holds; here the 2-rank one proves this release")
@@ -105,17 +112,12 @@ def placement(patch, env: str, one_rank: bool, gate: "tuple | None" = None) -> "
 def newest_affected(patch, pins: dict) -> "str | None":
     """The newest full environment whose exact pins fall in every range of the patch's ``affects`` (None where
     a pin is not exact, or none does): where its 1-rank variants run when the newest stack is outside."""
-    from zeroshim import _versions
-
     found = None
     for name, here in pins.items():
-        verdicts = []
-        for package, spec in patch.affects.items():
-            version = here.get(package, "")
-            if not version or not version[0].isdigit() or "*" in version:
-                return None
-            verdicts.append(not spec or _versions.in_range(version, spec))
-        if all(verdicts):
+        holds = range_holds(patch, here)
+        if holds is None:
+            return None
+        if holds:
             found = name
     return found
 
@@ -127,6 +129,7 @@ def pytest_collection_modifyitems(config, items):
         from zeroshim._core import patch_names
 
         names = patch_names()
+        pins = matrix()
         once = pytest.mark.skip(reason=f"does not depend on the DeepSpeed release: runs once, in {ONCE_ENV}")
         bench = os.environ.get("ZSTEST_BENCH") == "1"
         verdicts: dict = {}
@@ -151,7 +154,7 @@ def pytest_collection_modifyitems(config, items):
                     continue
                 key = (name, _one_rank_variant(item), item.module.__name__)
                 if key not in verdicts:
-                    verdicts[key] = placement(zeroshim.get_patch(name), env, key[1],
+                    verdicts[key] = placement(zeroshim.get_patch(name), env, key[1], pins,
                                               getattr(item.module, "LAUNCH_GATE", None))
                 if verdicts[key]:
                     item.add_marker(pytest.mark.skip(reason=verdicts[key]))
