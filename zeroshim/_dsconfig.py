@@ -106,14 +106,19 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
     return out, problems
 
 
+def _deepspeed_from(version: str) -> "tuple[Optional[str], bool]":
+    """The installed DeepSpeed (None if none) and whether it is ``version`` or newer."""
+    from . import _versions
+
+    installed = _versions.installed("deepspeed")
+    return installed, installed is not None and bool(_versions.in_range(installed, f">={version}"))
+
+
 def _clipping_default() -> str:
     """What DeepSpeed does with a config that has no ``gradient_clipping`` key: its default, which 0.19.3 changed
     from 0 (no clipping) to 1.0 (``runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT``, read in the 0.19.0,
     0.19.2, 0.19.3 and 0.19.8 sources)."""
-    from . import _versions
-
-    installed = _versions.installed("deepspeed")
-    clips = installed is not None and _versions.in_range(installed, ">=0.19.3")
+    installed, clips = _deepspeed_from("0.19.3")
     what = (f"DeepSpeed {installed} clips gradients at 1.0 (its default since 0.19.3)" if clips else
             f"DeepSpeed {installed or '(not installed)'} does not clip gradients (its default before 0.19.3 is 0; "
             "from 0.19.3 it clips at 1.0)")
@@ -130,13 +135,11 @@ def _warmup_steps(raw: object) -> "Optional[tuple]":
     ("warmup_num_steps must be a positive integer": 0, a negative number, or what HF Trainer and accelerate put
     for "auto", the trainer's warmup steps, 0 unless warmup is asked for); read in the 0.19.0, 0.19.2 (no check),
     0.19.3, 0.19.4, 0.19.6 and 0.19.8 sources.  None where nothing is wrong."""
-    from . import _versions
-
     scheduler = raw.get("scheduler") if isinstance(raw, dict) else None
     if not isinstance(scheduler, dict) or scheduler.get("type") not in WARMUP_SCHEDULERS:
         return None
-    installed = _versions.installed("deepspeed")
-    if installed is None or not _versions.in_range(installed, ">=0.19.3"):
+    installed, refuses = _deepspeed_from("0.19.3")
+    if not refuses:
         return None
     params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
     steps = params.get("warmup_num_steps", 1000)
