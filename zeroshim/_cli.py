@@ -34,6 +34,7 @@ def _verdicts() -> list:
             needs_state[dep] = f"{dep_state.state} ({dep_state.reason})"
         out.append({"patch": st.name, "verdict": verdict, "reason": st.reason, "flag": st.flag,
                     "summary": patch.summary, "affects": dict(patch.affects), "needs": dict(patch.needs),
+                    "changes": list(patch.changes), "changes_healthy_run": patch.visible,
                     "needs_state": needs_state})
     return out
 
@@ -115,8 +116,13 @@ def doctor(args) -> int:
     print(f"  {_versions.tested_line(newer)}")
     print("\npatches:")
     width = max(len(p["patch"]) for p in report["patches"])
+    from ._docs import changes_cell
+
+    cells = {p["patch"]: changes_cell(_core.get_patch(p["patch"])) for p in report["patches"]}
+    cwidth = max(len(c) for c in cells.values())
+    print(f"  {'patch':<{width}}  {'verdict':<11}  {'changes when it acts':<{cwidth}}  why")
     for p in report["patches"]:
-        print(f"  {p['patch']:<{width}}  {p['verdict']:<11}  {p['reason']}")
+        print(f"  {p['patch']:<{width}}  {p['verdict']:<11}  {cells[p['patch']]:<{cwidth}}  {p['reason']}")
         for dep, when in p["needs"].items():
             print(f"  {'':<{width}}  {'':<11}  needs {dep} for {when}: {p['needs_state'][dep]}")
     if report["stack_notes"]:

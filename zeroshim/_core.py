@@ -15,7 +15,7 @@ import os as _os
 import threading
 TYPE_CHECKING = False  # as typing.TYPE_CHECKING, without importing typing
 
-from . import _flags, _hooks, _log, _versions
+from . import _agree, _flags, _hooks, _log, _versions
 from ._patcher import NotAffected, Patcher, TargetChanged
 
 if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
@@ -51,6 +51,7 @@ _waiting: "Set[Tuple[str, str]]" = set()
 _env_settings: "Optional[_flags.Settings]" = None
 _overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}, "raw": {}}
 _unpatched: "Set[str]" = set()
+_agreed_off: "Dict[str, str]" = {}  # patch -> why every rank turned it off (``_agree``: the ranks disagreed)
 _modules: "Dict[str, object]" = {}  # patch name -> its module (zeroshim.patches.<name>)
 
 
@@ -217,7 +218,17 @@ def _settings() -> _flags.Settings:
     for name in _unpatched:
         settings.modes[name] = "off"
         settings.mode_by[name] = "zeroshim.unpatch()"
+    for name, why in _agreed_off.items():
+        settings.modes[name] = "off"
+        settings.mode_by[name] = why
     return settings
+
+
+def agree_off(name: str, why: str) -> None:
+    """Turn a patch off because the ranks disagreed about it (``_agree``), until :func:`reset_overrides`."""
+    with _lock:
+        _agreed_off[name] = why
+    sync()
 
 
 def configure(enabled: Optional[bool] = None, only: Optional[Iterable[str]] = None, **modes: object) -> None:
@@ -240,6 +251,7 @@ def reset_overrides() -> None:
     with _lock:
         _overrides.update(enabled=None, only=None, modes={}, raw={})
         _unpatched.clear()
+        _agreed_off.clear()
     sync()
 
 
@@ -281,6 +293,10 @@ def sync() -> None:
         settings = _settings()
         patches = load_patches()
         decided = {name: settings.decide(name) for name in patches}
+        if any(mode != "off" for mode, _ in decided.values()):
+            _agree.install()  # every rank with zeroshim on says what it decided, before engines are built
+        else:
+            _agree.uninstall()
         # Undo newest first: two patches may wrap the same attribute (the later one's wrapper outside the
         # earlier one's), and each puts back only what it set itself.
         for name, patch in reversed(list(patches.items())):

@@ -23,19 +23,38 @@ DISABLED = "disabled"    # turned off by a flag / the Python API
 FAILED = "failed"        # an unexpected error while applying; nothing of it is left applied
 BYPASSED = "bypassed"    # applied, but another library replaced what it wraps: its wrapper is not reached
 
+#: What a patch can change when it acts, as declared in ``Patch.changes`` (doctor, the patch table and the
+#: docs show it; ``_log.acted`` says it at WARNING for the kinds that change a run that would have trained).
+CHANGE_KINDS = {
+    "error": "acts only where the run would otherwise fail: the error goes, or its message names the cause",
+    "import": "makes an import work (adds a name the installed release lacks)",
+    "numbers": "the numbers a run computes, loads or saves",
+    "memory": "how much memory the run holds",
+    "autograd": "how autograd runs the backward (which graph, which gradients are formed)",
+    "collectives": "which collectives run: every rank must take the same decision (checked when an engine is built)",
+}
+#: The kinds a healthy run notices: a patch that acts with one of them, and not only where the run would fail
+#: ("error"), says so at WARNING (:attr:`Patch.visible`); the others at INFO.
+VISIBLE_KINDS = ("numbers", "memory", "autograd", "collectives")
+#: What every rank does when the ranks disagree about a patch that changes collectives (``Patch.on_disagreement``):
+#: "off" -- the patch is turned off on every rank (what an unpatched job does, and that fails loudly);
+#: "stop" -- the engine is not built: without the patch the bug is silent (a hang, a wrong result).
+DISAGREEMENT_RULES = ("off", "stop")
+
 
 class Patch:
     """The declaration of one patch (immutable once registered)."""
 
     __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc", "needs", "bypass",
-                 "check_config", "coexists", "fingerprint", "optional", "versions")
+                 "check_config", "coexists", "fingerprint", "optional", "versions", "changes", "on_disagreement")
 
     def __init__(self, *, name: str, summary: str, signatures: "Tuple[str, ...]", affects: "Mapping[str, str]",
                  targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = "",
                  needs: "Optional[Mapping[str, str]]" = None, bypass: "Optional[Callable[[], Optional[str]]]" = None,
                  check_config: "Optional[Callable[[dict, object], list]]" = None,
                  coexists: "Optional[Mapping[str, str]]" = None, fingerprint: "Optional[object]" = None,
-                 optional: "Iterable[str]" = (), versions: str = ""):
+                 optional: "Iterable[str]" = (), versions: str = "", changes: "Iterable[str]" = (),
+                 on_disagreement: str = "off"):
         #: stable name; the flag is ZEROSHIM_<NAME>
         self.name = name
         #: one line: the symptom, as the user sees it
@@ -78,11 +97,30 @@ class Patch:
         unknown = self.optional - set(self.targets)
         if unknown:
             raise ValueError(f"optional targets of {name} that are not targets: {sorted(unknown)}")
+        #: what it changes when it acts: kinds of :data:`CHANGE_KINDS` (see there)
+        self.changes = tuple(changes)
+        bad = [kind for kind in self.changes if kind not in CHANGE_KINDS]
+        if bad:
+            raise ValueError(f"changes of {name}: unknown kind(s) {bad}; valid: {', '.join(CHANGE_KINDS)}")
+        #: with "collectives" in ``changes``: what every rank does when the ranks disagree (:data:`DISAGREEMENT_RULES`)
+        if on_disagreement not in DISAGREEMENT_RULES:
+            raise ValueError(f"on_disagreement of {name}: {on_disagreement!r}; valid: {', '.join(DISAGREEMENT_RULES)}")
+        self.on_disagreement = on_disagreement
 
     @property
     def required(self) -> "Set[str]":
         """The targets that must all be patched for the patch to be ``applied``."""
         return set(self.targets) - self.optional
+
+    @property
+    def visible(self) -> bool:
+        """Does acting change what a run that would have trained computes, holds or communicates?"""
+        return "error" not in self.changes and any(kind in VISIBLE_KINDS for kind in self.changes)
+
+    @property
+    def collective(self) -> bool:
+        """Does acting change which collectives run (ranks must agree)?"""
+        return "collectives" in self.changes
 
     @property
     def flag(self) -> str:

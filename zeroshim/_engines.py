@@ -64,6 +64,10 @@ def _check_bypasses() -> None:
 
 
 def _track(wrapped, instance, args, kwargs):
+    from . import _agree
+
+    with guard(PATCH_NAME):  # the ranks agree about the patches that change collectives (RanksDisagree passes)
+        _agree.check("DeepSpeedEngine.__init__")
     result = wrapped(*args, **kwargs)
     with guard(PATCH_NAME):
         _register(instance)

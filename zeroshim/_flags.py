@@ -8,6 +8,8 @@
                                range, ``off`` never applies
 ``ZEROSHIM_LOG_LEVEL=INFO``    attach a stderr handler to the ``zeroshim`` logger
 ``ZEROSHIM_TIMING=1``          benchmark mode: time zeroshim's own work per patch
+``ZEROSHIM_AGREE_TIMEOUT=300``  seconds a rank waits for the others' decisions about the patches that
+                              change collectives (0: no check across ranks; ``_agree.py``)
                                (zeroshim/_timing.py); off by default
 =============================  ==================================================
 
@@ -53,7 +55,8 @@ LOG_LEVEL = PREFIX + "LOG_LEVEL"
 LAUNCHER_MARK = PREFIX + "RUN"      # set by zeroshim-run; not a setting
 CARRIER = "PYTHON_ZEROSHIM_ENV"     # the launch's ZEROSHIM_* flags, for remote nodes (see above)
 TIMING = PREFIX + "TIMING"  # benchmark mode, read by zeroshim/_timing.py
-GLOBAL_VARIABLES = (KILL_SWITCH, ALLOW_LIST, LOG_LEVEL, TIMING)
+AGREE_TIMEOUT = PREFIX + "AGREE_TIMEOUT"  # seconds the ranks wait for each other's decisions, read by _agree.py
+GLOBAL_VARIABLES = (KILL_SWITCH, ALLOW_LIST, LOG_LEVEL, TIMING, AGREE_TIMEOUT)
 INTERNAL_VARIABLES = (LAUNCHER_MARK,)
 
 MODES = ("auto", "on", "off")
@@ -217,7 +220,7 @@ def from_environ(patch_names: Iterable[str], environ: Optional[Mapping[str, str]
         elif upper == ALLOW_LIST:
             settings.only = _check_names(_split_names(value), names, key, value)
             settings.only_by = key
-        elif upper in (LOG_LEVEL, TIMING) + INTERNAL_VARIABLES:
+        elif upper in (LOG_LEVEL, TIMING, AGREE_TIMEOUT) + INTERNAL_VARIABLES:
             continue
         elif upper in by_env:
             name = by_env[upper]

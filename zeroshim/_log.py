@@ -96,14 +96,58 @@ def warning(msg: str, *args, scope: str = NODE, once: "object" = None, exc_info=
 
 
 def acted(patch: str, what: str, why: str, *args) -> bool:
-    """The one line a patch logs the first time it changes what the user's code
-    does (as transformers' ``warning_once`` when it overrides a setting): WARNING,
-    global rank 0 only, once per process: what it changed, why, and the flag
-    that turns it off.  ``what``/``why`` are %-format strings taking ``args``
-    in order.  Patches that only add a missing name or fix a crash log at INFO."""
+    """The one line a patch logs when it first changes what the user's code does
+    (as transformers' ``warning_once`` when it overrides a setting): what it
+    changed, why, what kind of change that is (its declared ``changes``), and the
+    flag that turns it off.  ``what``/``why`` are %-format strings taking ``args``
+    in order.
+
+    Said once per job, by whichever rank acts first: the first acting rank of the
+    job (counted in the process group's key-value store, no collective) logs it,
+    naming itself where it is not rank 0; the others log it at DEBUG.  Where
+    ``torch.distributed`` is not initialised, global rank 0 logs it.  Level: a
+    patch that changes the numbers, memory, autograd or collectives of a run that
+    would have trained (:attr:`Patch.visible`) says it at WARNING; one that acts
+    only where the run would fail, or adds a missing name, at INFO.  Returns
+    whether this process logged it at that level."""
+    with _seen_lock:
+        if (patch, "acted") in _seen:
+            return False
+        _seen.add((patch, "acted"))
+    declaration = _declaration(patch)
+    visible = declaration is None or declaration.visible
+    level = logging.WARNING if visible else logging.INFO
+    kinds = [k for k in getattr(declaration, "changes", ()) if k not in ("error", "import")]
+    changes = f" This changes the run's {' and '.join(kinds)}." if visible and kinds else ""
+    first = _first_in_job(patch)
+    if first is None:
+        first, where = global_rank() == 0, ""
+    else:
+        where = f" (rank {global_rank()} acted first)" if global_rank() != 0 else ""
     flag = "ZEROSHIM_" + patch.upper()
-    return emit(logging.WARNING, RANK0, f"zeroshim[%s]: {what}, because {why}. %s=off turns this off.",
-                patch, *args, flag, once=(patch, "acted"))
+    log.log(level if first else logging.DEBUG, f"zeroshim[%s]: {what}, because {why}.{changes}{where} "
+            "%s=off turns this off.", patch, *args, flag)
+    return first
+
+
+def _declaration(patch: str):
+    from . import _core
+
+    return _core._patches.get(patch)
+
+
+def _first_in_job(patch: str) -> "bool | None":
+    """Whether this process is the job's first to act for ``patch`` (None where no store can say)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return store.add(f"zeroshim/acted/{patch}", 1) == 1
+    except Exception:  # no store (an MPI-only group): rank 0 speaks
+        return None
 
 
 def forget(key: object) -> None:

@@ -177,6 +177,11 @@ class Patcher:
                 continue
             own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
             if own is not value:
+                if is_patched_by(own):  # another zeroshim patch wrapped it after this one: this wrapper stays
+                    _log.log.debug("zeroshim[%s]: %r.%s is wrapped again by zeroshim patch %s; this wrapper stays "
+                                   "under it and passes calls through", self.patch_name, owner, attr,
+                                   getattr(own, "_self_zeroshim_patch", "?"))
+                    continue
                 _log.warning("zeroshim[%s]: %r.%s was replaced by someone else after zeroshim patched it; "
                              "leaving it as it is", self.patch_name, owner, attr, scope=_log.EVERY)
                 continue
@@ -200,12 +205,37 @@ def is_patched_by(obj: Any, patch_name: Optional[str] = None) -> bool:
     return tag is not None and (patch_name is None or tag == patch_name)
 
 
+class CollectivePatchFailed(RuntimeError):
+    """A patch that changes collectives failed inside its wrapper on this rank: it cannot fall back here
+    alone (the other ranks would run other collectives), so the run stops (:class:`guard`)."""
+
+
+#: patches whose guard re-raised (introspection and tests)
+stats_failed: list = []
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialised process group (where a fallback on one
+    rank alone could split them); never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    except Exception:
+        return False
+
+
 class guard:
     """``with guard(patch_name): ...`` around zeroshim's *own* logic inside a
     wrapper.  An exception there is logged (with traceback, once per patch) and
     swallowed, so the wrapper goes on to call the original function unchanged:
     a bug in zeroshim never hides, replaces or adds to the wrapped function's
-    own errors.  Code that calls the wrapped function must stay outside."""
+    own errors.  Code that calls the wrapped function must stay outside.
+
+    Except in a patch that changes collectives (``"collectives"`` in its
+    ``changes``) in a process group of several ranks: falling back on one rank
+    alone would leave the ranks running different collectives, a silent hang,
+    so the error is logged on this rank and re-raised as
+    :class:`CollectivePatchFailed`, naming the flag that turns the patch off."""
 
     def __init__(self, patch_name: str):
         self.patch_name = patch_name
@@ -217,7 +247,21 @@ class guard:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None or not issubclass(exc_type, Exception):
             return False
+        from . import _agree, _core
+
+        if issubclass(exc_type, (_agree.RanksDisagree, CollectivePatchFailed)):  # stops the run: passes through
+            return False
         self.failed = True
+        patch = _core._patches.get(self.patch_name)
+        if patch is not None and patch.collective and several_ranks():
+            # falling back on this rank alone would leave the ranks running different collectives: a hang
+            stats_failed.append(self.patch_name)
+            message = (f"zeroshim[{self.patch_name}]: internal error in a patch that changes which collectives "
+                       "run; falling back on this rank alone would leave the ranks running different collectives "
+                       f"(a hang), so the run stops here. {patch.flag}=off on every rank turns the patch off; "
+                       "please report this")
+            _log.emit(40, _log.EVERY, "%s", message, exc_info=(exc_type, exc, tb))
+            raise CollectivePatchFailed(message) from exc
         _log.warning("zeroshim[%s]: internal error, falling back to the unpatched behaviour (please report this)",
                      self.patch_name, scope=_log.EVERY, once=("guard", self.patch_name), exc_info=(exc_type, exc, tb))
         return True

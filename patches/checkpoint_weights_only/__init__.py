@@ -144,6 +144,7 @@ def patch_zero_to_fp32(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="resuming a DeepSpeed checkpoint on torch >= 2.6: 'Weights only load failed ... Unsupported global: "
             "GLOBAL deepspeed.runtime.fp16.loss_scaler.LossScaler'",

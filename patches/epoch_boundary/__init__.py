@@ -261,6 +261,7 @@ def _forget() -> None:
 
 
 PATCH = Patch(
+    changes=('memory',),
     name=NAME,
     summary="ZeRO-3: parameters left gathered and freed heap held into the next epoch (released at each epoch "
             "boundary)",

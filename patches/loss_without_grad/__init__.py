@@ -158,6 +158,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="engine.backward(loss) with a loss that needs no grad (LoRA + reentrant checkpointing without "
             "enable_input_require_grads, no_grad, detached): \"loss must be a scalar tensor\" / \"element 0 of "

@@ -68,7 +68,7 @@ Fix
     whose forward is running (a ZeRO-0 engine's forward converts nothing, even
     with a ZeRO-3 engine alive elsewhere in the process); outside any engine's
     forward, the highest stage of a live engine.  Without a ZeRO engine,
-    nothing changes.  The switch is said once, at WARNING on global rank 0
+    nothing changes.  The switch is said once, at WARNING, once per job
     (what, why, the flag): it changes what the user's code does.
 
     Only where the bug can happen, that is where reentrant checkpointing would
@@ -588,6 +588,7 @@ def _forget() -> None:
 
 
 PATCH = Patch(
+    changes=('autograd', 'collectives'),
     name=NAME,
     summary="reentrant activation checkpointing under ZeRO: 'parameter ... has already been reduced'",
     signatures=(

@@ -46,6 +46,7 @@ def patch_numpy(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('import',),
     name=NAME,
     summary="old DeepSpeed fails to import on numpy 2: cannot import name 'BUFSIZE' from 'numpy'",
     signatures=((r"cannot import name 'BUFSIZE' from 'numpy'", r"deepspeed[/\\]autotuning"),),

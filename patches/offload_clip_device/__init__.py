@@ -142,6 +142,7 @@ def check_config(cfg, affected: bool) -> list:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="ZeRO offload + gradient clipping: 'Expected all tensors to be on the same device ... cuda:0 and cpu'",
     signatures=(

@@ -462,6 +462,7 @@ def _forget() -> None:
 
 
 PATCH = Patch(
+    changes=('memory',),
     name=NAME,
     summary="ZeRO offload + DataLoader workers: host memory grows each epoch, OOM early in epoch 2 (forked "
             "workers copy the offloaded optimizer state)",

@@ -219,6 +219,7 @@ def _forget() -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="LR scheduler built before deepspeed.initialize on an optimizer with an empty param group (LoRA: "
             "HF Trainer's no-decay group): ValueError: zip() argument 2 is longer than argument 1",

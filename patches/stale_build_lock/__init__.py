@@ -305,6 +305,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="a run hangs for good at DeepSpeed's first JIT-built op (init_distributed, initialize): torch's "
             "build lock was left by a build that was killed",

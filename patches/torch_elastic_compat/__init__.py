@@ -105,6 +105,7 @@ def patch_elastic_api(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('import',),
     name=NAME,
     summary="old DeepSpeed fails to import: cannot import name '_get_socket_with_port' (or 'log')",
     signatures=(

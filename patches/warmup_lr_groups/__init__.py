@@ -33,7 +33,7 @@ Fix
     group has the same rate (one group, or DeepSpeed's own optimizer from
     the config), or ``warmup_max_lr`` is given, the call is left untouched.
     When it acts it changes the run's numbers (each group at its own rate,
-    as built): one WARNING on global rank 0, with both lists of rates.
+    as built): one WARNING per job, with both lists of rates.
 
 Undo
     ``zeroshim.unpatch("warmup_lr_groups")`` restores ``WarmupLR.__init__``.
@@ -109,6 +109,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('numbers',),
     name=NAME,
     summary="WarmupLR/WarmupDecayLR without warmup_max_lr on param groups with different learning rates: every "
             "group warms up to group 0's rate (silent)",

@@ -55,7 +55,7 @@ Fix
     buffer in host memory; 1 rank on an H100, DeepSpeed 0.16.9) the parameters after 3
     steps at GA = 4 are 0.057 away from the run without offload without
     zeroshim and 4.5e-08 with it (the two runs step AdamW on different
-    devices, so CUDA is compared within 1e-5).  One WARNING on global rank 0
+    devices, so CUDA is compared within 1e-5).  One WARNING per job
     the first time a sum is copied back (what, why, the flag): it changes the
     numbers the user's run trains on.
 
@@ -121,6 +121,7 @@ def check_config(cfg, affected: bool) -> list:
 
 
 PATCH = Patch(
+    changes=('numbers',),
     name=NAME,
     summary="ZeRO-2 + offload_optimizer + gradient accumulation >= 3: micro-batches between the first and the last "
             "are silently dropped",

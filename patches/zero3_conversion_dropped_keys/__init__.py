@@ -91,7 +91,7 @@ Fix
       prefix there, which this does not).
 
     Converted keys are never touched, nor is a parameter the result already
-    has.  One WARNING on global rank 0 the first time a key is put back.
+    has.  One WARNING per job the first time a key is put back.
     Where nothing was dropped (a fixed release, a checkpoint without the
     parameter) the result is returned unchanged.
 
@@ -164,10 +164,8 @@ def _apply_conversions(wrapped, instance, args, kwargs):
                 stats["restored"] += restored
                 stats["kept"] += kept
                 if restored or kept:
-                    _log.warning("zeroshim[%s]: transformers' ZeRO-3 weight conversion dropped %d checkpoint keys "
-                                 "(they would load as MISSING and be re-initialised); zeroshim put them back; "
-                                 "%s=off turns this off", NAME, restored + kept,
-                                 f"ZEROSHIM_{NAME.upper()}", scope=_log.RANK0, once=(NAME, "acted"))
+                    _log.acted(NAME, "put back %d checkpoint keys that transformers' ZeRO-3 weight conversion dropped",
+                               "they would load as MISSING and be re-initialised", restored + kept)
     return result
 
 
@@ -184,6 +182,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('numbers',),
     name=NAME,
     summary="ZeRO-3 from_pretrained drops checkpoint keys while converting them (5.0.0: every key of an MoE model "
             "that needed no conversion; 5.4.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "

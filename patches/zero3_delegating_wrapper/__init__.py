@@ -81,6 +81,7 @@ def patch_parameter_offload(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="ZeRO-3 + peft modules_to_save (or any delegating wrapper module): \"'Linear' object has no attribute "
             "'ds_grads_remaining'\"",

@@ -337,6 +337,7 @@ def _forget() -> None:
 
 
 PATCH = Patch(
+    changes=('error', 'autograd', 'collectives'),
     name=NAME,
     summary="zero-weighted dummy loss over ZeRO-3 parameters: 'SumBackward0 returned an invalid gradient'",
     signatures=(

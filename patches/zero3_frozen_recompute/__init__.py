@@ -311,6 +311,7 @@ def patch_stage3(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('error', 'memory', 'collectives'),
     name=NAME,
     summary="ZeRO-3 + frozen weights (LoRA) + non-reentrant checkpointing: 'Recomputed values ... have "
             "different metadata' ([N] vs [0])",

@@ -39,7 +39,7 @@ Fix
     the world group, so a model partitioned over a sub-group (RLHF: an actor on
     some ranks) is left alone and a WARNING says why.  A caller's explicit
     value (True or False) always wins, and nothing changes where transformers
-    already turns it on.  Said once at WARNING on global rank 0 when it acts.
+    already turns it on.  Said once per job at WARNING when it acts.
     Numerics: synced ranks run extra forwards on finished sequences and
     discard them; the tokens are those of a run without ZeRO (tested).
 
@@ -125,6 +125,8 @@ def patch_generation(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('collectives',),
+    on_disagreement="stop",  # without it a rank that stops generating leaves the others waiting in a gather, silently
     name=NAME,
     summary="generate() under ZeRO-3 on several ranks without HF's DeepSpeed config hangs when ranks stop at "
             "different lengths (synced_gpus off)",

@@ -52,8 +52,8 @@ Fix
     handle it waits on is that parameter's only one.  Every rank issues the
     same all-gathers in the same order as before (the order of the
     parameters), so ranks need not agree on anything; only the overlap of
-    one parameter's all-gather with the next is given up, on gloo.  One INFO
-    line on global rank 0 the first time.  Measured (2 ranks, gloo, the
+    one parameter's all-gather with the next is given up, on gloo.  One WARNING
+    per job, by the first rank that acts.  Measured (2 ranks, gloo, the
     scenario above, DeepSpeed 0.14.1, 0.16.9 and 0.19.2): every gather and
     every consolidated state dict read the parameters exactly, and the engine
     then trained to the losses and shards of one that gathered nothing, bit
@@ -107,9 +107,8 @@ def _allgather_params_coalesced(wrapped, instance, args, kwargs):
         if many and is_active(NAME) and getattr(instance, "num_partitions", 1) > 1 and _on_gloo(instance, params):
             split = params
             stats["split"] += 1
-            _log.info("zeroshim[%s]: ZeRO-3 gathers of several parameters on gloo wait for each parameter's "
-                      "all-gather (DeepSpeed < 0.19.8 waits on the last one only and can read unwritten "
-                      "memory); %s=off turns this off", NAME, f"ZEROSHIM_{NAME.upper()}", once=(NAME, "acted"))
+            _log.acted(NAME, "ZeRO-3 gathers of several parameters on gloo wait for each parameter's all-gather",
+                       "DeepSpeed < 0.19.8 waits on the last one only and can read unwritten memory")
     if split is None:
         return wrapped(*args, **kwargs)
     for param in split:
@@ -129,6 +128,8 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('collectives',),
+    on_disagreement="stop",  # without it gloo's coalesced gathers read unwritten memory, silently
     name=NAME,
     summary="ZeRO-3 on gloo (CPU): GatheredParameters over several parameters, save_16bit_model and ZeRO-3 loads "
             "now and then read unwritten memory; with modifier_rank=0 the model itself changes, silently",

@@ -64,7 +64,7 @@ Fix
     subclass that notes when it is read; a ``__del__`` added to
     ``HfDeepSpeedConfig`` stores the dying object on that reference
     (resurrection, PEP 442; the weak reference is still intact at that
-    point), and logs one WARNING on global rank 0 (what, why, the flag).
+    point), and logs one WARNING per job (what, why, the flag).
     Not handled: a config dropped after user code itself called
     ``is_deepspeed_zero3_enabled()`` (it counts as read), one that dies in a
     reference cycle (the garbage collector clears weak references before
@@ -163,12 +163,10 @@ def _make_del(module):
                 return
             ref.keep = self  # resurrected: lives as long as transformers' reference to it
             stats["kept"] += 1
-            _log.warning("zeroshim[%s]: a ZeRO-3 HfDeepSpeedConfig was dropped before transformers read it "
-                         "(transformers holds it only by weak reference, so from_pretrained would load the whole "
-                         "model on every rank without deepspeed.zero.Init); zeroshim keeps it until "
-                         "unset_hf_deepspeed_config() or a new HfDeepSpeedConfig.  Keep a reference to it yourself "
-                         "to silence this; %s=off turns this off", NAME, f"ZEROSHIM_{NAME.upper()}",
-                         scope=_log.RANK0, once=(NAME, "acted"))
+            _log.acted(NAME, "kept a ZeRO-3 HfDeepSpeedConfig that was dropped before transformers read it, until "
+                             "unset_hf_deepspeed_config() or a new HfDeepSpeedConfig (keep a reference to it yourself "
+                             "to silence this)", "transformers holds it only by weak reference, so from_pretrained "
+                             "would load the whole model on every rank without deepspeed.zero.Init")
 
     return __del__
 
@@ -199,6 +197,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('memory', 'collectives'),
     name=NAME,
     summary="HfDeepSpeedConfig dropped before from_pretrained (held by weak reference only): the model loads "
             "without zero.Init, every rank holds all of it",

@@ -50,7 +50,7 @@ Fix
     wait first for the gathers still in flight for ``module``'s parameters,
     which it then releases as usual.  An empty registry (every step that runs
     the modules of its trace) is left alone, so such runs are unchanged.  One
-    INFO line on global rank 0 the first time.  Measured (2 ranks, gloo,
+    INFO line per job, by the first rank that acts.  Measured (2 ranks, gloo,
     fp32, DeepSpeed 0.14.1): a model whose ``fc2`` runs on even steps only,
     with the persistence threshold 0 and the default, an evaluation between
     steps that skips ``fc2`` every other time, and ``empty_partition_cache``
@@ -80,9 +80,8 @@ stats = {"reset_step": 0, "invalidate": 0, "release_all": 0}
 
 
 def _said(where: str) -> None:
-    _log.info("zeroshim[%s]: waited for and released ZeRO-3 parameters still being gathered for modules this "
-              "step did not run (%s), where DeepSpeed < 0.15.3 raises \"still have inflight params\"; "
-              "ZEROSHIM_ZERO3_INFLIGHT_PARAMS=off turns this off", NAME, where, once=(NAME, "acted"))
+    _log.acted(NAME, "waited for and released ZeRO-3 parameters still being gathered for modules this step did "
+               "not run (%s)", "DeepSpeed < 0.15.3 raises \"still have inflight params\" there", where)
 
 
 def _drain(coordinator, where: str) -> None:
@@ -153,6 +152,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error', 'collectives'),
     name=NAME,
     summary="ZeRO-3 \"still have inflight params\" when the modules run change between steps (branches, towers, "
             "eval between steps): prefetched gathers of modules that did not run are never waited for",

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 
-from zeroshim import _log
+from zeroshim import _agree, _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr, require_params
 from zeroshim._source import Fingerprint
@@ -86,15 +86,17 @@ def _init(wrapped, instance, args, kwargs):
     gather = None
     with guard(NAME):
         param = _target(args, kwargs) if is_active(NAME) else None
+        if param is not None and not _agree.before_acting(NAME, "peft's LoRA target_parameters wrappers"):
+            param = None  # the ranks disagreed: off on every rank
         if param is not None:
             import deepspeed
 
             gather = contextlib.ExitStack()
             gather.enter_context(deepspeed.zero.GatheredParameters([param], modifier_rank=None))
             stats["gathered"] += 1
-            _log.info("zeroshim[%s]: peft builds LoRA target_parameters wrappers on ZeRO-3 partitioned parameters: "
-                      "gathering each one while its wrapper is built, so peft reads the real shape", NAME,
-                      once=(NAME, "info"))
+            _log.acted(NAME, "gathered each ZeRO-3 partitioned parameter while peft built its LoRA "
+                             "target_parameters wrapper", "peft reads the parameter's shape there, and a partition's "
+                             "is [0]")
     if gather is None:
         return wrapped(*args, **kwargs)
     with gather:
@@ -108,6 +110,7 @@ def patch_lora_layer(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('error', 'collectives'),
     name=NAME,
     summary="peft LoRA target_parameters on a model built under ZeRO-3 (zero.Init): IndexError: tuple index "
             "out of range in ParamWrapper",

@@ -53,7 +53,7 @@ Fix
     the same list and splits it the same way, so the collectives still
     match.  A gather is a copy, so the values are those of an unsplit
     gather; lists of one dtype, async gathers and unaffected versions are
-    untouched.  One INFO line on global rank 0 the first time.  Measured (2
+    untouched.  One INFO line per job, by the first rank that acts.  Measured (2
     ranks, gloo, DeepSpeed 0.19.2, the scenario): with zeroshim the run
     equals, bit for bit, the same training with no persistent parameters.
     It is independent of patch ``zero3_gloo_gather`` (which, on gloo,
@@ -99,11 +99,9 @@ def _all_gather(wrapped, instance, args, kwargs):
             groups = _by_dtype(params)
             if groups is not None:
                 stats["regrouped"] += 1
-                _log.info("zeroshim[%s]: a blocking ZeRO-3 gather of parameters of several dtypes (%s) runs once "
-                          "per dtype (DeepSpeed < 0.19.3 gives every buffer the first parameter's dtype, #8072); "
-                          "%s=off turns this off", NAME,
-                          ", ".join(str(g[0].ds_tensor.dtype).replace("torch.", "") for g in groups),
-                          f"ZEROSHIM_{NAME.upper()}", once=(NAME, "acted"))
+                _log.acted(NAME, "a blocking ZeRO-3 gather of parameters of several dtypes (%s) runs once per dtype",
+                           "DeepSpeed < 0.19.3 gives every buffer the first parameter's dtype (#8072)",
+                           ", ".join(str(g[0].ds_tensor.dtype).replace("torch.", "") for g in groups))
     if groups is None:
         return wrapped(*args, **kwargs)
     for group in groups:
@@ -123,6 +121,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error', 'collectives'),
     name=NAME,
     summary="ZeRO-3 + bf16 + peft LoRA (fp32 adapters) on a zero.Init model: TypeError: output tensor must have "
             "the same type as input tensor at the first optimizer step",

@@ -63,7 +63,7 @@ Fix
     are left alone: their parameters are gathered whole anyway).  A user's own
     choice wins: nothing is marked if any module of the model already is a
     leaf (``set_z3_leaf_modules``) or the config names
-    ``zero_optimization.leaf_module``.  Said once, at WARNING on global rank 0
+    ``zero_optimization.leaf_module``.  Said once, at WARNING, once per job
     (what, why, the flag).
     Whether a block's input will need grad is known only in its forward, after
     DeepSpeed has fixed its hooks; so each block zeroshim marks gets a forward
@@ -227,6 +227,8 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 
 PATCH = Patch(
+    changes=('collectives',),
+    on_disagreement="stop",  # without it an expert no token reached on one rank leaves the others waiting in its gather, silently
     name=NAME,
     summary="MoE under ZeRO-3 hangs when a rank routes no tokens to an expert (blocks not marked as leaf modules)",
     # A hang prints nothing; the trace check's "disagreement between rank0 and rank1" names no module, and

@@ -89,7 +89,7 @@ Fix
       a placeholder file 6 times in 10 (``nox -s "clients(framework='axolotl')"``).
       (Up to zeroshim 0.2.0 the lone call raised ``RuntimeError`` instead,
       which made OpenRLHF's working save fail.)
-    One WARNING on global rank 0 the first time a save is changed.
+    One WARNING per job the first time a save is changed.
 
 Undo
     ``zeroshim.unpatch("zero3_peft_save")`` restores the methods.
@@ -119,9 +119,8 @@ _pending: dict = {}   # id(trainer) -> the gathered state dict, while its save_m
 
 
 def _acted(what: str) -> None:
-    _log.warning("zeroshim[%s]: %s; without zeroshim the adapter file would hold no tensors or [0]-shaped "
-                 "ZeRO-3 placeholders (ZEROSHIM_ZERO3_PEFT_SAVE=off turns this off)", NAME, what,
-                 scope=_log.RANK0, once=(NAME, "acted"))
+    _log.acted(NAME, "%s", "without it the adapter file would hold no tensors or [0]-shaped ZeRO-3 placeholders",
+               what)
 
 
 # -- HF Trainer (transformers < 5) ------------------------------------------------------
@@ -485,6 +484,8 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('numbers', 'collectives'),
+    on_disagreement="stop",  # without it the adapter is saved without its weights, silently
     name=NAME,
     summary="peft adapter saved under ZeRO-3 without its weights: HF Trainer (transformers < 5) writes an empty "
             "adapter_model.safetensors, save_pretrained/get_peft_model_state_dict write [0]-shaped placeholders",

@@ -67,7 +67,7 @@ Fix
     plugin's config dict, as accelerate fills it.  Numbers the user wrote,
     models with a top-level hidden size and configs without a text
     hidden size are left alone (accelerate's own behaviour, error
-    included).  One WARNING on global rank 0 the first time (the values, why,
+    included).  One INFO line per job (it acts only where accelerate would fail) (the values, why,
     the flag).  Measured (2 ranks, ZeRO-3, a tiny LLaVA): training equals the
     same config with the three numbers written by hand, bit for bit; a text
     model with ``hidden_size`` trains to the same numbers with and without
@@ -170,6 +170,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="accelerator.prepare with \"auto\" ZeRO bucket sizes on a multimodal model (hidden size only in "
             "text_config): \"Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`\"",

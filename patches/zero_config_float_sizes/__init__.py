@@ -50,8 +50,8 @@ Fix
     which that value is rounded to the nearest integer (``round``); the
     user's dict is not changed.  Nothing else is touched: integers, integral
     floats (valid already), strings, booleans, negative or non-finite floats
-    (DeepSpeed's own error stays) and other fields.  One WARNING on global
-    rank 0 the first time (each field, its value, the rounded value, the
+    (DeepSpeed's own error stays) and other fields.  One INFO line per
+    job (it acts only where DeepSpeed would refuse the config: each field, its value, the rounded value, the
     flag).  DeepSpeed 0.14 truncated instead (``int()``, as transformers
     and accelerate do now); the two differ only for a fraction of .5 or
     more, which makes no difference to a bucket size.
@@ -140,11 +140,9 @@ def _make_get_zero_config(model):
                 fixed = _rounded(zero, model, ZERO, changes)
                 if changes:
                     stats["rounded"].extend(changes)
-                    _log.warning("zeroshim[%s]: rounded %s (DeepSpeed >= 0.15 validates these integer fields with "
-                                 "pydantic v2 and refuses a number with a fractional part); write integers to silence "
-                                 "this; %s=off turns this off", NAME,
-                                 ", ".join(f"{k}={v!r} to {n}" for k, v, n in changes), f"ZEROSHIM_{NAME.upper()}",
-                                 scope=_log.RANK0, once=(NAME, "acted"))
+                    _log.acted(NAME, "rounded %s (write integers to silence this)",
+                               "DeepSpeed >= 0.15 validates these integer fields with pydantic v2 and refuses a "
+                               "number with a fractional part", ", ".join(f"{k}={v!r} to {n}" for k, v, n in changes))
                     param_dict = dict(param_dict)
                     param_dict[ZERO] = fixed
                     args, kwargs = ((param_dict,) + tuple(args[1:]), kwargs) if args else \
@@ -187,6 +185,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="a computed float size in zero_optimization (stage3_prefetch_bucket_size = 0.9 * hidden**2): "
             "\"Input should be a valid integer, got a number with a fractional part\"",

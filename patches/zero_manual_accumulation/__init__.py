@@ -251,6 +251,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('numbers',),
     name=NAME,
     summary="gradient_accumulation_steps 1 and several engine.backward() before one engine.step() under "
             "ZeRO-1/2: only the last micro-batch's gradient is kept (silent; TypeError on 0.17.6–0.18.2; "

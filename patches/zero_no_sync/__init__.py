@@ -46,7 +46,7 @@ Fix
     partitions gradients (``zero_optimization_partition_gradients()``, stage
     2 or 3) it returns ``contextlib.nullcontext()``, so the ``backward``
     inside runs exactly as without the context (the behaviour every caller
-    had before 0.16.0); one WARNING on global rank 0 the first time (what,
+    had before 0.16.0); one INFO line per job (it acts only where DeepSpeed would assert) (what,
     why, the flag).  Stage 0/1 engines get DeepSpeed's own ``no_sync``
     untouched.  Measured (2 ranks, gradient accumulation 2 and 4, ZeRO-2 and
     ZeRO-3): a loop calling ``with engine.no_sync(): engine.backward(loss)``
@@ -85,11 +85,9 @@ def _no_sync(wrapped, instance, args, kwargs):
         null = instance is not None and is_active(NAME) and _partitions_gradients(instance)
         if null:
             stats["nulled"] += 1
-            _log.warning("zeroshim[%s]: engine.no_sync() under ZeRO stage %s is a null context (DeepSpeed >= 0.16.0 "
-                         "asserts here; ZeRO-2/3 reduce gradients in backward hooks on every micro-step anyway, so "
-                         "training is the same as without no_sync); %s=off turns this off",
-                         NAME, int(instance.zero_optimization_stage()), f"ZEROSHIM_{NAME.upper()}",
-                         scope=_log.RANK0, once=(NAME, "acted"))
+            _log.acted(NAME, "engine.no_sync() under ZeRO stage %s is a null context (ZeRO-2/3 reduce gradients in "
+                             "backward hooks on every micro-step anyway, so training is the same as without no_sync)",
+                       "DeepSpeed >= 0.16.0 asserts here", int(instance.zero_optimization_stage()))
     if null:
         return contextlib.nullcontext()
     return wrapped(*args, **kwargs)
@@ -108,6 +106,7 @@ def _reset() -> None:
 
 
 PATCH = Patch(
+    changes=('error',),
     name=NAME,
     summary="engine.no_sync() under ZeRO-2/3 (Trainer 4.46.2–4.47.0, accelerate < 1.9 accumulate/no_sync, direct "
             "calls): \"no_sync context manager is incompatible with gradient partitioning logic\"",

@@ -1,0 +1,98 @@
+"""Scenario for the check that ranks agree (issue #47): 2 ranks, ZeRO-3, a tiny Llama, a raw
+``deepspeed.initialize`` (no HfDeepSpeedConfig), then ``generate()`` with rank-dependent lengths (rank 0 stops
+after 2 new tokens, rank 1 after 6) and one training step.  ``ZSAGREE_RANK<r>`` (JSON) holds environment
+variables exported on that rank only, before ``import zeroshim``: a flag set on one node only.  A watchdog
+records "hang" where generate or the step never returns.  ``--fail-guard`` makes rank 1's
+``zero3_generate_sync`` fail inside its wrapper (zeroshim's own error on one rank)."""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+RANK = int(os.environ.get("RANK", "0"))
+os.environ.update(json.loads(os.environ.get(f"ZSAGREE_RANK{RANK}", "{}")))
+
+import logging  # noqa: E402
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                    format=f"[rank{RANK}] %(levelname)s %(name)s: %(message)s")
+import zeroshim  # noqa: E402,F401
+import torch  # noqa: E402
+
+from common import ds_config, import_deepspeed, init_distributed, versions, write_results  # noqa: E402
+
+deepspeed = import_deepspeed()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--fail-guard", action="store_true")
+    args = parser.parse_args()
+    rank, _ = init_distributed()
+    results = {"versions": versions(), "stage": "init"}
+
+    import threading
+
+    def watchdog():
+        time.sleep(args.timeout)
+        results["hang"] = results["stage"]
+        write_results(args.out, results)
+        os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    if args.fail_guard and rank == 1:
+        from zeroshim.patches import zero3_generate_sync as patch
+
+        def broken(model):
+            raise ValueError("injected failure inside zero3_generate_sync's wrapper")
+
+        patch._needs_sync = broken
+    model = tiny_llama()
+    prompt = torch.tensor([[1, 5 + rank, 9, 17]])
+    kw = {"max_new_tokens": 2 if rank == 0 else 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    start = time.time()
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=ds_config(3, micro_batch=1, bf16=False))
+        results["stage"] = "generate"
+        with torch.no_grad():
+            results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
+        results["stage"] = "train"
+        loss = engine(prompt, labels=prompt).loss
+        engine.backward(loss)
+        engine.step()
+        results["loss"] = loss.item()
+        results["stage"] = "done"
+    except Exception as exc:  # what the rank stopped with, as the user would see it
+        results["stopped"] = {"type": type(exc).__name__, "message": str(exc)}
+    results["seconds"] = time.time() - start
+    results["status"] = {name: [s.state, s.reason] for name, s in zeroshim.status().items()}
+    agree = sys.modules["zeroshim._agree"]
+    results["agree"] = dict(agree.stats)
+    results["report"] = next(iter(agree._posted.values()), None)  # what this rank told the others
+    write_results(args.out, results)
+    if "stopped" in results:
+        time.sleep(2)  # the other rank stopped at the same point: let it write its results too
+        sys.exit(1)  # as an uncaught error would: the launcher stops the other ranks
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

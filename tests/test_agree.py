@@ -1,0 +1,275 @@
+"""Ranks agree about the patches that change collectives, or the run stops naming the cause (issue #47 item 2);
+a patch's declared kinds of change; acting said once per job whichever rank acts (item 5).
+
+The resolution is pure (every rank computes it from the same reports) and tested as such; the exchange runs
+on torch's own c10d stores in this process (another rank's report posted as that rank would); the launches
+are 2 real ranks of DeepSpeed ZeRO-3 with a flag exported on one rank only."""
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import zeroshim
+from zeroshim import _agree, _core, _log
+from zeroshim._declare import CHANGE_KINDS, Patch
+from zeroshim._patcher import CollectivePatchFailed, guard
+
+# The launches prove zeroshim's own exchange over torch's c10d store before DeepSpeedEngine.__init__: they run on
+# the newest stack (the unit tests above them run everywhere).
+ENVS = ("ds0.19.8",)
+ENVS_REASON = "the check is zeroshim's own code around DeepSpeedEngine.__init__; the newest stack proves it"
+COLLECTIVE = [name for name in _core.patch_names() if _core.get_patch(name).collective]
+STOP = [name for name in COLLECTIVE if _core.get_patch(name).on_disagreement == "stop"]
+OFF = [name for name in COLLECTIVE if name not in STOP]
+
+
+def report(**patches):
+    return {"zeroshim": zeroshim.__version__, "patches": {n: list(v) for n, v in patches.items()}}
+
+
+# -- the declaration ------------------------------------------------------------------------------------------
+def test_every_patch_declares_what_it_changes():
+    for name in _core.patch_names():
+        patch = _core.get_patch(name)
+        assert patch.changes, f"{name} declares no kind of change (Patch.changes)"
+        assert set(patch.changes) <= set(CHANGE_KINDS)
+        if patch.on_disagreement == "stop":
+            assert patch.collective, f"{name}: on_disagreement applies to patches that change collectives"
+    assert set(COLLECTIVE) >= {"zero3_generate_sync", "zero3_moe_leaf", "zero3_dummy_loss", "zero3_frozen_recompute",
+                               "nonreentrant_checkpoint", "zero3_inflight_params"}  # the issue's list
+
+
+def test_a_declaration_refuses_unknown_kinds_and_rules():
+    kw = dict(name="x", summary="s", signatures=(), affects={}, targets={})
+    with pytest.raises(ValueError, match="unknown kind"):
+        Patch(changes=("speed",), **kw)
+    with pytest.raises(ValueError, match="on_disagreement"):
+        Patch(changes=("collectives",), on_disagreement="maybe", **kw)
+
+
+# -- the resolution -------------------------------------------------------------------------------------------
+def test_ranks_that_agree_resolve_to_nothing():
+    same = report(zero3_generate_sync=(True, "acts", "stop"), zero3_dummy_loss=(False, "skipped: x", "off"))
+    assert _agree.resolve({0: same, 1: same, 2: same}) == []
+
+
+def test_a_split_names_the_patch_the_ranks_and_why():
+    on = report(zero3_generate_sync=(True, "acts", "stop"))
+    off = report(zero3_generate_sync=(False, "disabled: ZEROSHIM_ZERO3_GENERATE_SYNC=off", "stop"))
+    [split] = _agree.resolve({0: on, 1: off, 2: on, 3: off})
+    assert split["rule"] == "stop" and sorted(split["acting"]) == [0, 2] and sorted(split["not_acting"]) == [1, 3]
+    sentence = _agree.describe(split)
+    assert sentence == ("zero3_generate_sync acts on ranks 0, 2 but not on ranks 1, 3 (ranks 1, 3: disabled: "
+                        "ZEROSHIM_ZERO3_GENERATE_SYNC=off)")
+
+
+def test_stop_wins_and_a_rank_without_the_patch_counts_as_not_acting():
+    new = report(zero3_dummy_loss=(True, "acts", "stop"))
+    old = {"zeroshim": "0.1.0", "patches": {}}
+    [split] = _agree.resolve({0: new, 1: old})
+    assert split["rule"] == "stop" and "zeroshim 0.1.0 there has no patch zero3_dummy_loss" in _agree.describe(split)
+
+
+def test_the_timeout_flag_fails_safe_and_loudly(caplog):
+    assert _agree.timeout_s({}) == _agree.DEFAULT_TIMEOUT_S
+    assert _agree.timeout_s({_agree.TIMEOUT_VAR: "0"}) == 0
+    assert _agree.timeout_s({_agree.TIMEOUT_VAR: "12.5"}) == 12.5
+    for bad in ("-1", "soon", "inf", "nan"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zeroshim"):
+            assert _agree.timeout_s({_agree.TIMEOUT_VAR: bad}) == _agree.DEFAULT_TIMEOUT_S  # the check stays on
+        assert any(_agree.TIMEOUT_VAR in r.getMessage() for r in caplog.records), bad
+
+
+# -- the exchange on a real c10d store ---------------------------------------------------------------------------
+@pytest.fixture
+def store():
+    torch = pytest.importorskip("torch")
+    _agree.forget()
+    yield torch.distributed.HashStore()
+    _agree.forget()
+    _core.reset_overrides()
+
+
+def test_an_off_rule_split_turns_the_patch_off_here_and_says_so(store, monkeypatch, caplog):
+    name = OFF[0]
+    mine = _agree.decisions()
+    other = json.loads(json.dumps(mine))
+    other["patches"][name] = [False, f"disabled: ZEROSHIM_{name.upper()}=off", "off"]
+    mine["patches"][name] = [True, "acts", "off"]  # acting here, whatever this machine's gate says
+    monkeypatch.setattr(_agree, "decisions", lambda: mine)
+    store.set(_agree.KEY + "1", json.dumps(other))
+    with caplog.at_level(logging.WARNING, logger="zeroshim"):
+        [split] = _agree.exchange(store, 2, 0, limit=5, where="a test")
+    assert split["patch"] == name
+    assert zeroshim.status()[name].state == "disabled"
+    assert "the ranks disagreed" in zeroshim.status()[name].reason
+    [line] = [r.getMessage() for r in caplog.records if "ranks disagree" in r.getMessage()]
+    assert name in line and "rank 1" in line and f"ZEROSHIM_{name.upper()}" in line
+    assert json.loads(store.get(_agree.KEY + "0")) == mine  # posted for the other ranks
+    assert _agree.exchange(store, 2, 0, limit=5, where="again") == [split]  # once per job
+
+
+def test_a_stop_rule_split_raises_on_this_rank_with_the_remedy(store, monkeypatch):
+    mine = report(zero3_generate_sync=(True, "acts", "stop"))
+    monkeypatch.setattr(_agree, "decisions", lambda: mine)
+    store.set(_agree.KEY + "1", json.dumps(report(
+        zero3_generate_sync=(False, "disabled: ZEROSHIM_ZERO3_GENERATE_SYNC=off", "stop"))))
+    with pytest.raises(_agree.RanksDisagree, match="zero3_generate_sync acts on rank 0 but not on rank 1") as err:
+        _agree.exchange(store, 2, 0, limit=5, where="DeepSpeedEngine.__init__")
+    assert "ZEROSHIM_ZERO3_GENERATE_SYNC alike on every node" in str(err.value)
+
+
+def test_a_rank_that_never_reports_stops_a_rank_with_something_at_stake(store, monkeypatch):
+    monkeypatch.setattr(_agree, "decisions", lambda: report(zero3_moe_leaf=(True, "acts", "stop")))
+    start = time.monotonic()
+    with pytest.raises(_agree.RanksDisagree, match="rank 1 did not say within 0.5 s"):
+        _agree.exchange(store, 2, 0, limit=0.5, where="a test")
+    assert time.monotonic() - start < 5
+
+
+def test_a_rank_with_nothing_at_stake_goes_on_when_another_never_reports(store, monkeypatch):
+    monkeypatch.setattr(_agree, "decisions", lambda: report(zero3_moe_leaf=(False, "skipped: x", "stop")))
+    assert _agree.exchange(store, 2, 0, limit=0.5, where="a test") == []
+
+
+def test_a_late_rank_is_waited_for(store, monkeypatch):
+    same = report(zero3_generate_sync=(True, "acts", "stop"))
+    monkeypatch.setattr(_agree, "decisions", lambda: same)
+    late = threading.Timer(0.5, lambda: store.set(_agree.KEY + "1", json.dumps(same)))
+    late.start()
+    assert _agree.exchange(store, 2, 0, limit=30, where="a test") == []
+    late.join()
+
+
+# -- guard in a patch that changes collectives -------------------------------------------------------------------
+def test_guard_reraises_in_a_patch_that_changes_collectives_on_several_ranks(caplog, monkeypatch):
+    """(The real path, 2 ranks of gloo: test_a_guard_failure_on_one_rank_stops_the_run_naming_the_patch.)"""
+    import zeroshim._patcher as patcher
+
+    name = COLLECTIVE[0]
+    with guard(name) as alone:  # one process: nothing to split, it falls back as every patch does
+        raise KeyError("zeroshim's own bug")
+    assert alone.failed
+    monkeypatch.setattr(patcher, "several_ranks", lambda: True)
+    with caplog.at_level(logging.ERROR, logger="zeroshim"):
+        with pytest.raises(CollectivePatchFailed, match=f"ZEROSHIM_{name.upper()}=off on every rank") as err:
+            with guard(name):
+                raise KeyError("zeroshim's own bug")
+    assert isinstance(err.value.__cause__, KeyError)
+    assert any(name in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    other = next(n for n in _core.patch_names() if not _core.get_patch(n).collective)
+    with guard(other) as g:  # the others still fall back to the unpatched behaviour
+        raise KeyError("zeroshim's own bug")
+    assert g.failed
+
+
+def test_guard_lets_a_disagreement_through():
+    with pytest.raises(_agree.RanksDisagree):
+        with guard(COLLECTIVE[0]):
+            raise _agree.RanksDisagree("stop")
+
+
+# -- acting is said once per job, at the level of its kind -------------------------------------------------------
+def test_acting_says_the_kind_of_change_and_its_level(monkeypatch, caplog):
+    for var in _log._GLOBAL_RANK_VARS + _log._LOCAL_RANK_VARS:
+        monkeypatch.delenv(var, raising=False)
+    visible = next(n for n in _core.patch_names() if _core.get_patch(n).visible)
+    quiet = next(n for n in _core.patch_names() if not _core.get_patch(n).visible)
+    for name in (visible, quiet):
+        _log.forget((name, "acted"))
+    try:
+        with caplog.at_level(logging.DEBUG, logger="zeroshim"):
+            _log.acted(visible, "did a thing", "a reason")
+            _log.acted(quiet, "did a thing", "a reason")
+        lines = {r.getMessage().split("]")[0][len("zeroshim["):]: r for r in caplog.records if "did a thing" in
+                 r.getMessage()}
+        assert lines[visible].levelno == logging.WARNING
+        kinds = [k for k in _core.get_patch(visible).changes if k not in ("error", "import")]
+        assert f"This changes the run's {' and '.join(kinds)}." in lines[visible].getMessage()
+        assert lines[quiet].levelno == logging.INFO and "This changes" not in lines[quiet].getMessage()
+    finally:
+        for name in (visible, quiet):
+            _log.forget((name, "acted"))
+
+
+# -- 2 real ranks ----------------------------------------------------------------------------------------------
+SCENARIO = str(Path(__file__).parent / "agree" / "ranks_agree.py")
+
+
+def _launch(tmp_path, rank1=None, *args):
+    from harness import clean_env, torchrun
+
+    env = clean_env()
+    if rank1:
+        env["ZSAGREE_RANK1"] = json.dumps(rank1)
+    return torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", *args, env=env, check=False)
+
+
+def _lines(log: str, rank: int, text: str) -> list:
+    return [line for line in log.splitlines() if line.startswith(f"[rank{rank}]") and text in line]
+
+
+@pytest.mark.deepspeed
+def test_generate_sync_off_on_one_rank_stops_within_seconds_on_every_rank(tmp_path):
+    """The issue's run: ZeRO-3, generate() with rank-dependent lengths, ZEROSHIM_ZERO3_GENERATE_SYNC=off exported
+    on rank 1 only.  Before: rank 0 syncs, rank 1 does not, the job hangs silently.  Now: both ranks stop before
+    the engine is built, each with a line naming the patch and the disagreement."""
+    result = _launch(tmp_path, {"ZEROSHIM_ZERO3_GENERATE_SYNC": "off"})
+    for rank, out in enumerate(result["ranks"]):
+        assert out is not None and "hang" not in out, result["log"][-3000:]
+        assert out["stage"] == "init" and out["stopped"]["type"] == "RanksDisagree", out
+        assert "zero3_generate_sync acts on rank 0 but not on rank 1" in out["stopped"]["message"]
+        assert "(rank 1: disabled by ZEROSHIM_ZERO3_GENERATE_SYNC=off)" in out["stopped"]["message"]
+        assert out["seconds"] < 30
+        assert [line for line in _lines(result["log"], rank, "the ranks disagree about patches that change "
+                                        "collectives") if " ERROR " in line], result["log"][-3000:]
+
+
+@pytest.mark.deepspeed
+def test_every_off_rule_patch_split_is_turned_off_on_every_rank_and_the_run_trains(tmp_path):
+    """Every patch that changes collectives and whose unpatched failure is loud, off on rank 1 only: the ranks
+    turn each of them off, say so on every rank, and train (generate and a step)."""
+    flags = {f"ZEROSHIM_{name.upper()}": "off" for name in OFF}
+    result = _launch(tmp_path, flags)
+    assert result["returncode"] == 0, result["log"][-3000:]
+    acting = {name for name in OFF if result["ranks"][0]["report"]["patches"][name][0]}
+    assert not any(entry[0] for name, entry in result["ranks"][1]["report"]["patches"].items() if name in OFF)
+    for rank, out in enumerate(result["ranks"]):
+        assert out["stage"] == "done" and "hang" not in out
+        for name in OFF:
+            state, reason = out["status"][name]
+            if name in acting:
+                assert state == "disabled" and "the ranks disagreed" in reason, (rank, name, state, reason)
+                assert _lines(result["log"], rank, f"the ranks disagree: {name} acts on rank 0"), (rank, name)
+            else:
+                assert "the ranks disagreed" not in reason, (rank, name, reason)
+    assert acting, "no off-rule patch is active on rank 0 in this environment: the test proves nothing"
+
+
+@pytest.mark.deepspeed
+def test_ranks_that_agree_train_as_before(tmp_path):
+    result = _launch(tmp_path)
+    assert result["returncode"] == 0, result["log"][-3000:]
+    for out in result["ranks"]:
+        assert out["stage"] == "done" and out["agree"]["checks"] == 1 and out["agree"]["disagreements"] == 0
+        assert out["status"]["zero3_generate_sync"][0] == "applied"
+        assert len(out["tokens"]) == 4 + (2 if out is result["ranks"][0] else 6)
+
+
+@pytest.mark.deepspeed
+def test_a_guard_failure_on_one_rank_stops_the_run_naming_the_patch(tmp_path):
+    start = time.monotonic()
+    result = _launch(tmp_path, None, "--fail-guard")
+    assert time.monotonic() - start < 100, "the run did not stop within seconds"
+    rank1 = result["ranks"][1]
+    assert rank1 is not None and rank1["stopped"]["type"] == "CollectivePatchFailed", result["log"][-3000:]
+    assert "ZEROSHIM_ZERO3_GENERATE_SYNC=off on every rank" in rank1["stopped"]["message"]
+    assert _lines(result["log"], 1, "ERROR zeroshim: zeroshim[zero3_generate_sync]: internal error") or \
+        _lines(result["log"], 1, "internal error in a patch that changes which collectives run")
+    assert result["returncode"] != 0

@@ -1,0 +1,318 @@
+"""Ranks agree about the patches that change collectives, or the run stops naming the cause (issue #47).
+
+A patch that changes which collectives run (``"collectives"`` in its declared ``changes``) must act on every
+rank or on none: a rank that syncs ``generate()`` while another does not, or gathers a parameter another
+rank does not, hangs the job without a word.  Every per-process decision can split the ranks that way: a
+flag exported on one node only, a version or fingerprint gate on a node with another install, an apply that
+failed on one rank.
+
+So, once per job, each rank posts what it decided for each such patch (acts, or why not) in the process
+group's key-value store -- the c10d store every launcher already runs, so no collective is issued and a rank
+without zeroshim cannot be hung by it -- and reads every rank's.  Where they differ, every rank takes the same
+decision from the same reports, and says on every rank which patch, which ranks and why:
+
+* ``on_disagreement="off"`` (the default): the patch is turned off on every rank.  Without it the ranks run
+  what an unpatched job runs, whose failure is loud.
+* ``on_disagreement="stop"``: the bug without the patch is silent (a hang, a wrong result), so the engine is
+  not built: :class:`RanksDisagree` on every rank, with the remedy.
+
+When: before a DeepSpeed engine is built (every rank reaches ``DeepSpeedEngine.__init__`` together, and some
+patches act inside it), and, for the patches that can act before any engine exists, right before they first
+act (:func:`before_acting`), where every rank whose flags allow it reaches the same point.  A rank that has not posted is waited for -- a WARNING every 30 s names the missing ranks on
+every rank that waits -- until ``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 300; 0 turns the check off), and
+then every rank that waits stops, naming them (zeroshim not imported there, or ``ZEROSHIM_DISABLED=1``).
+
+Decisions are compared as they were at this rank's first post (flags and gates are read at import;
+``zeroshim.configure()`` on some ranks only after that is not seen).  A patch that fails inside its wrapper
+(``guard``) after the ranks agreed cannot fall back on one rank alone: ``guard`` re-raises for such patches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from . import _log
+from ._patcher import Patcher
+
+PATCH_NAME = "ranks_agree"  # the tag on the engine tracker's use (never a user-facing patch)
+TIMEOUT_VAR = "ZEROSHIM_AGREE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+#: a rank on which no such patch acts has nothing at stake: it waits this long at most, then goes on
+IDLE_WAIT_S = 10.0
+WARN_EVERY_S = 30.0
+KEY = "zeroshim/agree/v1/"
+
+_lock = threading.RLock()
+_patcher = Patcher(PATCH_NAME)
+_installed: list = []
+_posted: dict = {}      # store identity -> this rank's report (posted once per store)
+_settled: dict = {}     # store identity -> the resolution every rank took
+#: introspection and tests
+stats = {"checks": 0, "disagreements": 0, "waited_s": 0.0}
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks decided differently about a patch that changes collectives, and acting on some of them only
+    (or on none) would hang the job or change its result silently."""
+
+
+def timeout_s(environ=None) -> float:
+    """``ZEROSHIM_AGREE_TIMEOUT`` in seconds (default 300; 0: no check).  As every flag read from the
+    environment, a value that cannot be read does not stop the job: it is said at WARNING, naming the variable,
+    and fails safe -- the check stays on, with the default."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_VAR, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        _log.warning("zeroshim: invalid value %r for %s: expected a number of seconds >= 0 (0 turns the check "
+                     "across ranks off); using %g", raw, TIMEOUT_VAR, DEFAULT_TIMEOUT_S, once=("agree", "flag", raw))
+        return DEFAULT_TIMEOUT_S
+    return value
+
+
+# -- what this rank decided --------------------------------------------------------------------------------
+def decisions() -> dict:
+    """This rank's report: for each registered patch that changes collectives, ``[acts, why, rule]``."""
+    from . import __version__, _core
+
+    out = {}
+    for name, state in _core.status().items():
+        patch = _core.get_patch(name)
+        if not patch.collective:
+            continue
+        acts = state.state in (_core.APPLIED, _core.PENDING)
+        why = "acts" if acts else (state.reason if state.reason.startswith(state.state)
+                                   else f"{state.state}: {state.reason}")
+        out[name] = [acts, why[:300], patch.on_disagreement]
+    return {"zeroshim": __version__, "patches": out}
+
+
+# -- the resolution (pure: every rank computes it from the same reports) ------------------------------------
+def resolve(reports: "dict[int, dict]") -> "list[dict]":
+    """The patches the ranks disagree about, in name order: ``{"patch", "rule", "acting", "not_acting"}``
+    (ranks -> why).  A patch a rank does not know (another zeroshim) counts as not acting there; the rule is
+    "stop" where any rank's declaration says so."""
+    names = sorted({name for report in reports.values() for name in report.get("patches", {})})
+    splits = []
+    for name in names:
+        acting, not_acting, rule = {}, {}, "off"
+        for rank in sorted(reports):
+            entry = reports[rank].get("patches", {}).get(name)
+            if entry is None:
+                not_acting[rank] = f"zeroshim {reports[rank].get('zeroshim', '?')} there has no patch {name}"
+                continue
+            acts, why, their_rule = entry
+            (acting if acts else not_acting)[rank] = why
+            if their_rule == "stop":
+                rule = "stop"
+        if acting and not_acting:
+            splits.append({"patch": name, "rule": rule, "acting": acting, "not_acting": not_acting})
+    return splits
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def describe(split: dict) -> str:
+    """One sentence: which patch, which ranks act and which do not, and why (the first reason of each)."""
+    reasons: dict = {}
+    for rank, why in split["not_acting"].items():
+        reasons.setdefault(why, []).append(rank)
+    why = "; ".join(f"{_ranks(ranks)}: {reason}" for reason, ranks in reasons.items())
+    return (f"{split['patch']} acts on {_ranks(split['acting'])} but not on {_ranks(split['not_acting'])} "
+            f"({why})")
+
+
+# -- the exchange ------------------------------------------------------------------------------------------
+def _store_and_world():
+    """The default process group's store and world size, or None where torch.distributed is not initialised
+    (nothing to agree with) or has no store (logged once)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    if world < 2:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception as exc:  # an MPI-only group, a torch without the private accessor
+        _log.warning("zeroshim: cannot check that the ranks agree about the patches that change collectives "
+                     "(no key-value store: %r); set every ZEROSHIM_* flag alike on every node", exc,
+                     scope=_log.RANK0, once=("agree", "nostore"))
+        return None
+    return store, world, dist.get_rank()
+
+
+def settled() -> bool:
+    """Whether the ranks have agreed already in this process."""
+    return bool(_settled)
+
+
+def before_acting(name: str, where: str) -> bool:
+    """For a patch that changes collectives and can act before any engine is built: check that the ranks agree
+    (once per job), right before it first acts; whether it may act (False where the ranks turned it off).  A
+    rank where the patch is off never gets here: it reports at its next check (its engine), which this rank
+    waits for.  May raise :class:`RanksDisagree`."""
+    from . import _core
+
+    if not _settled:
+        check(f"{where} ({name})")
+    return _core.is_active(name)
+
+
+def check(where: str) -> "list[dict]":
+    """Post this rank's decisions and resolve against every rank's (once per job; later calls return the
+    first resolution).  Turns "off"-rule splits off here; raises :class:`RanksDisagree` for "stop"-rule ones
+    and where ranks never report within the timeout.  ``where``: for the log (what is about to happen)."""
+    limit = timeout_s()
+    found = _store_and_world()
+    if found is None or limit == 0:
+        return []
+    store, world, rank = found
+    return exchange(store, world, rank, limit=limit, where=where)
+
+
+def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list[dict]":
+    """:func:`check` on a given c10d store for ``world`` ranks, as rank ``rank``."""
+    ident = id(store)
+    with _lock:
+        if ident in _settled:
+            return _settled[ident]
+        stats["checks"] += 1
+        if ident not in _posted:
+            _posted[ident] = decisions()
+            import json
+
+            store.set(f"{KEY}{rank}", json.dumps(_posted[ident]))
+        at_stake = any(entry[0] for entry in _posted[ident]["patches"].values())
+        reports = _collect(store, world, rank, limit if at_stake else min(limit, IDLE_WAIT_S), where, at_stake)
+        if reports is None:  # nothing at stake here, and some rank never said: go on
+            return []
+        splits = resolve(reports)
+        _settled[ident] = splits
+    if splits:
+        stats["disagreements"] += len(splits)
+        _act_on(splits, where)
+    return splits
+
+
+def _collect(store, world: int, rank: int, limit: float, where: str, at_stake: bool) -> "dict[int, dict] | None":
+    import json
+    from datetime import timedelta
+
+    reports: dict = {}
+    start = time.monotonic()
+    next_warning = start + WARN_EVERY_S
+    while True:
+        for other in range(world):
+            if other not in reports and store.check([f"{KEY}{other}"]):
+                reports[other] = json.loads(store.get(f"{KEY}{other}"))
+        if len(reports) == world:
+            stats["waited_s"] += time.monotonic() - start
+            return reports
+        now = time.monotonic()
+        missing = [r for r in range(world) if r not in reports]
+        if now - start >= limit:
+            stats["waited_s"] += now - start
+            if not at_stake:
+                _log.info("zeroshim: %s did not say within %g s what they decided about the patches that change "
+                          "collectives; none acts on rank %d, which goes on", _ranks(missing), limit, rank,
+                          scope=_log.EVERY)
+                return None
+            message = (f"zeroshim: {_ranks(missing)} did not say within {limit:g} s ({TIMEOUT_VAR}) what "
+                       f"they decided about the patches that change collectives, at {where}; this rank cannot "
+                       "know that they run the same collectives, so it stops rather than risk a silent hang. "
+                       "Is zeroshim imported on every rank (zeroshim-run, or import zeroshim in the training "
+                       "script), and is ZEROSHIM_DISABLED set on some nodes only? " + _remedy())
+            _log.emit(logging.ERROR, _log.EVERY, "%s", message)
+            raise RanksDisagree(message)
+        if now >= next_warning:
+            next_warning = now + WARN_EVERY_S
+            _log.warning("zeroshim: rank %d waits for %s to say what they decided about the patches that change "
+                         "collectives (%.0f s of %g s, %s); at %s", rank, _ranks(missing), now - start, limit,
+                         TIMEOUT_VAR, where, scope=_log.EVERY)
+        try:  # wakes as soon as the first missing report arrives
+            store.wait([f"{KEY}{missing[0]}"], timedelta(seconds=min(1.0, max(0.01, limit - (now - start)))))
+        except Exception:  # a timeout of the wait itself: look again
+            pass
+
+
+def _remedy() -> str:
+    return ("Set every ZEROSHIM_* flag alike on every node (zeroshim-run carries them to every rank), or set "
+            f"{TIMEOUT_VAR}=0 to skip this check.")
+
+
+def _act_on(splits: "list[dict]", where: str) -> None:
+    from . import _core
+
+    stops = [s for s in splits if s["rule"] == "stop"]
+    for split in splits:
+        flag = _core.get_patch(split["patch"]).flag if split["patch"] in _core.patch_names() else "its flag"
+        if split["rule"] == "stop":
+            continue
+        _log.warning("zeroshim: the ranks disagree: %s. It changes which collectives run, so it is turned off "
+                     "on every rank (what an unpatched job runs). Set %s alike on every node to choose",
+                     describe(split), flag, scope=_log.EVERY)
+        if split["patch"] in _core.patch_names():
+            _core.agree_off(split["patch"], f"off on every rank because the ranks disagreed: {describe(split)}")
+    if stops:
+        flags = ", ".join(_core.get_patch(s["patch"]).flag for s in stops if s["patch"] in _core.patch_names())
+        message = ("zeroshim: the ranks disagree about patches that change collectives, and without them the "
+                   "bug they fix is silent (a hang or a wrong result), so the run stops here, at " + where +
+                   ", on every rank: " + "; ".join(describe(s) for s in stops) + ". Set " + (flags or "the flags") +
+                   " alike on every node (zeroshim-run carries ZEROSHIM_* flags to every rank).")
+        _log.emit(logging.ERROR, _log.EVERY, "%s", message)
+        raise RanksDisagree(message)
+
+
+# -- where it runs -------------------------------------------------------------------------------------------
+def install() -> None:
+    """Check before every DeepSpeed engine is built (through the shared engine tracker), as long as zeroshim
+    is enabled; :func:`uninstall` when it is turned off."""
+    from . import _hooks
+
+    with _lock:
+        if _installed:
+            return
+        _installed.append(True)
+    _hooks.register("deepspeed.runtime.engine", _on_engine_module)
+
+
+def _on_engine_module(module) -> None:
+    from . import _engines
+
+    with _lock:
+        if not _installed or PATCH_NAME in _engines.users():
+            return
+    try:
+        _engines.use(PATCH_NAME, module, _patcher)
+    except Exception as exc:  # DeepSpeedEngine without what the tracker needs: the patches' own checks say it
+        _log.info("zeroshim: no check across ranks before engines are built: %s", exc, scope=_log.RANK0)
+
+
+def uninstall() -> None:
+    with _lock:
+        if not _installed:
+            return
+        _installed.clear()
+    _patcher.undo()
+
+
+def forget() -> None:
+    """Tests: forget this process's posts and resolutions (a new job in the same process)."""
+    with _lock:
+        _posted.clear()
+        _settled.clear()
