@@ -282,12 +282,16 @@ def test_unpatch_restores_the_originals_exactly():
     try:
         assert vars(tc.CallbackHandler)["on_epoch_begin"] is originals["on_epoch_begin"]
         assert vars(dl.DeepSpeedDataLoader)["__iter__"] is originals["__iter__"]
+        # the check that ranks agree keeps the tracker while any patch may apply (zeroshim/_agree.py) ...
+        assert _engines.users() == {"ranks_agree"}
+        zeroshim.unpatch()
+        # ... and with every patch off, DeepSpeedEngine.__init__ is the original again
         assert _engines.users() == set()
         assert vars(eng.DeepSpeedEngine)["__init__"] is originals["__init__"]
     finally:
-        zeroshim.apply("epoch_boundary", "nonreentrant_checkpoint", "offload_worker_fork")
+        zeroshim.apply()
     assert zeroshim.status()["epoch_boundary"].state == "applied"
-    assert _engines.users() == {"epoch_boundary", "nonreentrant_checkpoint", "offload_worker_fork"}
+    assert _engines.users() == {"epoch_boundary", "nonreentrant_checkpoint", "offload_worker_fork", "ranks_agree"}
 
 
 def test_engine_tracking_outlives_one_user():
@@ -296,7 +300,7 @@ def test_engine_tracking_outlives_one_user():
 
     zeroshim.unpatch("nonreentrant_checkpoint")
     try:
-        assert _engines.users() == {"epoch_boundary", "offload_worker_fork"}
+        assert _engines.users() == {"epoch_boundary", "offload_worker_fork", "ranks_agree"}
         assert is_patched_by(vars(eng.DeepSpeedEngine)["__init__"], _engines.PATCH_NAME)
     finally:
         zeroshim.apply("nonreentrant_checkpoint")

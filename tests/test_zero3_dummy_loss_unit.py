@@ -28,7 +28,7 @@ def test_cuts_a_term_over_a_partitioned_parameter():
     a.ds_id = 7  # what ZeRO-3 sets on a partitioned parameter
     loss = (w * 2).sum() + a.sum() * 0.0
     assert z.strip_zero_terms(loss) == 1
-    assert id(a) in z._cut_params
+    assert z._what(a) == z._SKIP  # partitioned: its reduction is skipped if the cut was its only path
     loss.backward()
     assert a.grad is None  # the term sent nothing
     assert torch.equal(w.grad, torch.full((4,), 2.0))
@@ -115,3 +115,18 @@ def test_zero_weights_computed_at_run_time():
     big = torch.nn.Parameter(torch.randn(100))
     big.ds_id = 5
     assert z.strip_zero_terms((big * torch.zeros(100)).sum()) == 0  # too large a factor to read: left alone
+
+
+def test_two_engines_keep_their_own_cuts():
+    """Two engines backwarding in threads (RLHF actor and critic): one's backward starting or ending never drops
+    the other's cuts (issue #47 item 7).  The state, with two engine keys; the DeepSpeed backward is not run."""
+    actor, critic = object(), object()
+    a = torch.nn.Parameter(torch.randn(4))
+    c = torch.nn.Parameter(torch.randn(4))
+    a.ds_id, c.ds_id = 11, 12
+    assert z.strip_zero_terms(a.sum() * 0.0 + (a * 2).sum(), actor) == 1
+    assert z.strip_zero_terms(c.sum() * 0.0 + (c * 2).sum(), critic) == 1  # the critic's backward starts
+    assert z._what(a) == z._SKIP and z._what(c) == z._SKIP
+    assert z.strip_zero_terms((c * 3).sum(), critic) == 0  # the critic's next backward: nothing cut
+    assert z._what(a) == z._SKIP and z._what(c) is None  # the actor's cut is still there
+    z._cut_params.clear()

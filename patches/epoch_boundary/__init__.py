@@ -101,9 +101,9 @@ Undo
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
+import types
 import weakref
 
 from zeroshim import _engines, _memory
@@ -215,7 +215,7 @@ def _unfinished(loader) -> bool:
     boundary that every rank passes.  Another form (curriculum learning's ``data_iterator``): not
     known to be unfinished."""
     data = getattr(loader, "data", None)
-    return inspect.isgenerator(data) and data.gi_frame is not None
+    return isinstance(data, types.GeneratorType) and data.gi_frame is not None
 
 
 def _dataloader_iter(wrapped, instance, args, kwargs):

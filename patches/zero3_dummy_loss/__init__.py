@@ -61,8 +61,9 @@ Fix
     (so a weight that is zero only at run time counts, and the same term with
     a nonzero weight is left to fail as it does upstream: it is wrong under
     ZeRO-3).  ``engine.backward(loss)`` and ``engine.backward(loss=loss)`` are
-    both handled.  The first cut is said once per process, at WARNING on global
-    rank 0 (how many terms, why, the flag).
+    both handled.  The first cut is said once per job, at INFO (it acts only
+    where backward would crash: how many terms, why, the flag).  The cuts are
+    kept per engine, so two engines backwarding in threads (RLHF) keep theirs.
 
     The loss *value*: such a term is evaluated on whatever the parameters are
     when it is built; on an empty placeholder ``p.sum()`` gives 0 but
@@ -124,7 +125,20 @@ _MUL_NODES = ("MulBackward0", "MulBackward1")
 # term would have sent (_ZERO: another rank may reduce it, and every rank must reduce the same
 # parameters).
 _SKIP, _ZERO = "skip", "zero"
+# per engine (its id; None for a direct strip_zero_terms call): {id(param): _SKIP | _ZERO} of its backward
+# running now.  Per engine, so that two engines backwarding in threads (RLHF: actor and critic) never clear
+# each other's (issue #47 item 7); parameters belong to one engine, so a lookup needs no key.
 _cut_params: dict = {}
+
+
+def _what(param) -> "str | None":
+    """What the cut term was for ``param``, in the backward of whichever engine holds it (None: not cut)."""
+    key = id(param)
+    for cuts in list(_cut_params.values()):
+        what = cuts.get(key)
+        if what is not None:
+            return what
+    return None
 _announced: "weakref.WeakSet" = weakref.WeakSet()
 #: terms stripped since import (introspection and tests)
 stats = {"stripped": 0, "backward_calls_walked": 0, "nan_loss_seen": 0, "zero_filled": 0}
@@ -247,9 +261,12 @@ def _undefined(grad_outputs):
     return tuple(None for _ in grad_outputs)
 
 
-def strip_zero_terms(loss) -> int:
+def strip_zero_terms(loss, engine=None) -> int:
     """Cut the zero-weighted terms of ``loss``'s graph that reach ZeRO-3
-    parameters directly; returns how many were cut."""
+    parameters directly; returns how many were cut.  What each cut means for
+    its parameters is kept for ``engine``'s backward (replacing that engine's
+    previous one)."""
+    cuts = _cut_params[id(engine) if engine is not None else None] = {}
     root = getattr(loss, "grad_fn", None)
     cut, seen, stack = 0, set(), [root]
     # once per backward over every node of the graph: the common path (not a Mul node) costs a set
@@ -265,10 +282,12 @@ def strip_zero_terms(loss) -> int:
             if params:
                 node.register_prehook(_undefined)
                 for p in params:  # what the hook does if the cut term was this parameter's only path
-                    _cut_params[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
+                    cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
                 cut += 1
                 continue
         push([fn for fn, _ in node.next_functions])
+    if not cut:
+        _cut_params.pop(id(engine) if engine is not None else None, None)
     return cut
 
 
@@ -279,8 +298,7 @@ def _engine_backward(wrapped, instance, args, kwargs):
     with guard(NAME):
         loss = args[0] if args else kwargs.get("loss")
         if is_active(NAME) and loss is not None and instance.zero_optimization_stage() == 3:
-            _cut_params.clear()
-            cut = strip_zero_terms(loss)
+            cut = strip_zero_terms(loss, instance)
             stats["stripped"] += cut
             stats["backward_calls_walked"] += 1
             if cut and instance not in _announced:
@@ -299,14 +317,14 @@ def _engine_backward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         if cut:
-            _cut_params.clear()
+            _cut_params.pop(id(instance), None)
 
 
 def _reduce_ready(wrapped, instance, args, kwargs):
     if not _cut_params:  # nothing was cut in this backward (every step of a run without such terms): no checks
         return wrapped(*args, **kwargs)
     with guard(NAME):
-        what = _cut_params.get(id(args[0])) if args and args[0].grad is None else None
+        what = _what(args[0]) if args and args[0].grad is None else None
         if what is not None and (what == _SKIP or _is_placeholder(args[0])):  # _ZERO released since: skip
             return None  # its only gradient path was a stripped zero term: as if the hook had not fired
         if what == _ZERO and not _is_placeholder(args[0]):

@@ -64,7 +64,6 @@ Undo
 from __future__ import annotations
 
 import math
-import typing
 
 from zeroshim import _log
 from zeroshim._core import Patch, is_active
@@ -85,6 +84,8 @@ DOCTOR_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", 
 
 def _fields(model) -> dict:
     """key (alias and name) -> None for an ``int`` field, or the model class of a nested section."""
+    import typing  # here, not at import: ``import zeroshim`` stays cheap (issue #47 item 8)
+
     out = {}
     for name, field in getattr(model, "model_fields", {}).items():
         annotation = field.annotation
