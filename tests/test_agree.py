@@ -273,3 +273,20 @@ def test_a_guard_failure_on_one_rank_stops_the_run_naming_the_patch(tmp_path):
     assert _lines(result["log"], 1, "ERROR zeroshim: zeroshim[zero3_generate_sync]: internal error") or \
         _lines(result["log"], 1, "internal error in a patch that changes which collectives run")
     assert result["returncode"] != 0
+
+
+@pytest.mark.deepspeed
+def test_a_rank_without_zeroshim_stops_the_ranks_that_wait_for_it(tmp_path):
+    """ZEROSHIM_DISABLED=1 on rank 1 only: rank 1 never says what it decided; rank 0, where zero3_generate_sync
+    would act, waits ZEROSHIM_AGREE_TIMEOUT (5 s here) and stops naming rank 1 and the likely causes, instead
+    of running collectives rank 1 does not run."""
+    from harness import clean_env, torchrun
+
+    env = clean_env(ZEROSHIM_AGREE_TIMEOUT="5")
+    env["ZSAGREE_RANK1"] = json.dumps({"ZEROSHIM_DISABLED": "1"})
+    result = torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", env=env, check=False)
+    rank0 = result["ranks"][0]
+    assert rank0 is not None and rank0["stopped"]["type"] == "RanksDisagree", result["log"][-3000:]
+    assert "rank 1 did not say within 5 s" in rank0["stopped"]["message"]
+    assert "ZEROSHIM_DISABLED" in rank0["stopped"]["message"]
+    assert 5 <= rank0["seconds"] < 60
