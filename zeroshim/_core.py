@@ -31,7 +31,8 @@ log = logging.getLogger("zeroshim")
 
 
 class _State:
-    __slots__ = ("state", "reason", "mode", "why", "gate", "sticky", "patcher", "done")
+    __slots__ = ("state", "reason", "mode", "why", "gate", "sticky", "patcher", "done", "busy", "queued",
+                 "undo_after")
 
     def __init__(self) -> None:
         self.state = PENDING
@@ -42,6 +43,12 @@ class _State:
         self.sticky = False               # skipped/failed because of its target: not retried
         self.patcher: "Optional[Patcher]" = None
         self.done: "Set[str]" = set()
+        # applying happens outside _lock (an apply function may import, and another thread's import may fire
+        # a hook that needs _lock): the thread applying this patch now, the targets that arrived meanwhile,
+        # and an undo asked for meanwhile (done by that thread when its apply returns)
+        self.busy: "Optional[int]" = None
+        self.queued: "List[Tuple[str, object]]" = []
+        self.undo_after: "Optional[Tuple[str, str]]" = None
 
 
 _lock = threading.RLock()
@@ -312,6 +319,7 @@ def sync() -> None:
                 continue
             if state.state == DISABLED or state.mode != mode:
                 state.state, state.reason = PENDING, ""
+                state.undo_after = None  # wanted again before another thread's apply ended: keep what it did
             state.mode, state.why = mode, why
             if state.gate is not None and not _gate(patch, state):  # gate known already
                 continue
@@ -386,33 +394,83 @@ def _watch(name: str, module_name: str) -> None:
 
 
 def _on_import(name: str, module_name: str, module: object) -> None:
+    """A target of patch ``name`` finished importing: patch it.  Decided under ``_lock``, applied outside it
+    (issue #47 item 4): an apply function may import (a DeepSpeed submodule), and another thread importing that
+    module fires hooks that need ``_lock`` while it holds the module's import lock -- applying under ``_lock``
+    deadlocked there.  One thread applies a given patch at a time; targets of it that arrive meanwhile (from
+    another thread, or from an import inside its own apply function) are applied by that thread next."""
     with _lock:
         _waiting.discard((name, module_name))
-        patch, state = _patches[name], _states[name]
-        if state.state not in (PENDING, APPLIED) or module_name in state.done:
+        state = _states.get(name)
+        if state is None:
+            return
+        if state.busy is not None:
+            state.queued.append((module_name, module))
+            return
+        state.busy = threading.get_ident()
+    todo = [(module_name, module)]
+    try:
+        while todo:
+            _apply_target(name, *todo.pop(0))
+            with _lock:
+                todo.extend(state.queued)
+                state.queued.clear()
+                if not todo:
+                    state.busy = None
+    finally:
+        with _lock:
+            if state.busy == threading.get_ident():  # an error escaped: never leave the patch marked busy
+                state.busy = None
+                state.queued.clear()
+
+
+def _apply_target(name: str, module_name: str, module: object) -> None:
+    with _lock:
+        patch, state = _patches.get(name), _states.get(name)
+        if patch is None or state is None or state.state not in (PENDING, APPLIED) or module_name in state.done:
             return  # (an optional target may arrive after the patch is applied)
         try:
             if not _gate(patch, state):
                 return
-            if state.patcher is None:
-                state.patcher = Patcher(name)
-            patch.targets[module_name](module, state.patcher)
-        except NotAffected as exc:
+        except Exception as exc:  # never break the user's import
+            _failed(patch, state, module_name, exc)
+            return
+        if state.patcher is None:
+            state.patcher = Patcher(name)
+        patcher, apply_fn = state.patcher, patch.targets[module_name]
+    try:
+        apply_fn(module, patcher)
+    except NotAffected as exc:
+        with _lock:
             _undo(patch, state, SKIPPED, f"not affected: {exc}")
             state.sticky = True
-            return
-        except TargetChanged as exc:
+        return
+    except TargetChanged as exc:
+        with _lock:
             _undo(patch, state, SKIPPED, f"target changed: {exc}")
             state.sticky = True
-            _log.warning("zeroshim: skipped %s: %s", name, state.reason)
-            return
-        except Exception as exc:  # never break the user's import
-            _undo(patch, state, FAILED, f"error while patching {module_name}: {exc!r}")
-            state.sticky = True
-            _log.warning("zeroshim: could not apply %s; it is left off", name, exc_info=True)
+        _log.warning("zeroshim: skipped %s: %s", name, state.reason)
+        return
+    except Exception as exc:  # never break the user's import
+        with _lock:
+            _failed(patch, state, module_name, exc)
+        return
+    with _lock:
+        if state.undo_after is not None:  # turned off while this thread applied: undo all of it now
+            new_state, reason = state.undo_after
+            state.undo_after = None
+            state.done.add(module_name)
+            _undo(patch, state, new_state, reason)
             return
         state.done.add(module_name)
         _refresh(patch, state)
+
+
+def _failed(patch: Patch, state: _State, module_name: str, exc: Exception) -> None:
+    _undo(patch, state, FAILED, f"error while patching {module_name}: {exc!r}")
+    state.sticky = True
+    _log.warning("zeroshim: could not apply %s; it is left off", patch.name, exc_info=(type(exc), exc,
+                                                                                      exc.__traceback__))
 
 
 def _refresh(patch: Patch, state: _State) -> None:
@@ -422,6 +480,12 @@ def _refresh(patch: Patch, state: _State) -> None:
 
 
 def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
+    if state.busy is not None and state.busy != threading.get_ident():
+        # another thread is applying this patch: it undoes what it applied when its apply returns; from now
+        # on the patch is not active (its wrappers pass calls through)
+        state.undo_after = (new_state, reason)
+        state.state, state.reason = new_state, reason
+        return
     was_applied = bool(state.done)
     if state.patcher is not None:
         state.patcher.undo()
