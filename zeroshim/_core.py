@@ -295,15 +295,15 @@ def unpatch(*names: str) -> Dict[str, PatchStatus]:
 def sync() -> None:
     """Bring every patch to the state its flags ask for.  Version gates are
     evaluated lazily: when a patch's first target module is imported (so that
-    ``import zeroshim`` does not pay for ``packaging``), or by :func:`status`."""
+    ``import zeroshim`` does not pay for ``packaging``), or by :func:`status`.
+    Decided under the lock; the hooks are registered (and targets already
+    imported are patched) after it is released (see :func:`_on_import`)."""
+    watch: "List[Tuple[str, str]]" = []
     with _lock:
         settings = _settings()
         patches = load_patches()
         decided = {name: settings.decide(name) for name in patches}
-        if any(mode != "off" for mode, _ in decided.values()):
-            _agree.install()  # every rank with zeroshim on says what it decided, before engines are built
-        else:
-            _agree.uninstall()
+        agree = any(mode != "off" for mode, _ in decided.values())
         # Undo newest first: two patches may wrap the same attribute (the later one's wrapper outside the
         # earlier one's), and each puts back only what it set itself.
         for name, patch in reversed(list(patches.items())):
@@ -324,9 +324,16 @@ def sync() -> None:
             if state.gate is not None and not _gate(patch, state):  # gate known already
                 continue
             for module_name in patch.targets:
-                if module_name not in state.done:
-                    _watch(name, module_name)
+                if module_name not in state.done and (name, module_name) not in _waiting:
+                    _waiting.add((name, module_name))
+                    watch.append((name, module_name))
             _refresh(patch, state)
+    if agree:
+        _agree.install()  # every rank with zeroshim on says what it decided, before engines are built
+    else:
+        _agree.uninstall()
+    for name, module_name in watch:  # in the registry's order: patches wrapping one attribute stack as listed
+        _watch(name, module_name)
 
 
 def gate_verdict(patch: Patch) -> "Tuple[bool, str]":
@@ -385,11 +392,8 @@ def _gate(patch: Patch, state: _State) -> bool:
 
 
 def _watch(name: str, module_name: str) -> None:
-    key = (name, module_name)
-    if key in _waiting:
-        return
-    _waiting.add(key)
-    # Called at once if the module is already imported, else when its import ends.
+    """Patch ``module_name`` for ``name`` at once if it is imported, else when its import ends (the caller
+    added ``(name, module_name)`` to ``_waiting``; not under ``_lock``)."""
     _hooks.register(module_name, lambda module: _on_import(name, module_name, module))
 
 

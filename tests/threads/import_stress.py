@@ -1,8 +1,9 @@
 """Threads importing patch targets while an apply function imports another target (issue #47 item 4).
 
 Per run: two throwaway patches; thread 1 imports the second one's target (a module that takes 20 ms to
-execute, so its import lock is held); 5 ms later thread 2 imports the first one's target, whose apply function
-imports the slow module.  With apply under zeroshim's global lock: thread 2 holds that lock and waits for the
+execute, so its import lock is held); 5 ms later thread 2 imports the first one's target (odd runs) or
+registers the first patch while its target is imported already (even runs: ``sync`` applies it at once);
+that patch's apply function imports the slow module.  With apply under zeroshim's global lock: thread 2 holds that lock and waits for the
 slow module's import lock; thread 1, at the end of that import, fires its hook, which waits for zeroshim's
 lock: a deadlock (20 of 20 single runs before the fix).  Prints ``runs=N deadlocks=D applied=A``; exit 0
 when every run applied both patches.  ``python import_stress.py [RUNS]``; ``JOIN_S``: seconds before a run
@@ -36,11 +37,19 @@ for run in range(runs):
     def apply_slow(module, patcher):
         applied.append((run, "slow"))
 
-    for name, targets in ((f"stress_first_{run}", {first: apply_first}), (f"stress_slow_{run}", {slow: apply_slow})):
+    def register(name, targets):
         _core.register(Patch(name=name, summary="stress", signatures=(), affects={}, targets=targets,
                              changes=("error",)))
+
+    register(f"stress_slow_{run}", {slow: apply_slow})
+    if run % 2:  # the first target is imported by another thread, whose import fires the hook
+        register(f"stress_first_{run}", {first: apply_first})
+        other = threading.Thread(target=__import__, args=(first,), daemon=True)
+    else:  # the first target is imported already: registering the patch (sync) applies it at once
+        __import__(first)
+        other = threading.Thread(target=register, args=(f"stress_first_{run}", {first: apply_first}),
+                                 daemon=True)
     loader = threading.Thread(target=__import__, args=(slow,), daemon=True)  # holds slow's import lock
-    other = threading.Thread(target=__import__, args=(first,), daemon=True)
     loader.start()
     time.sleep(0.005)
     other.start()
