@@ -130,3 +130,28 @@ def test_two_engines_keep_their_own_cuts():
     assert z.strip_zero_terms((c * 3).sum(), critic) == 0  # the critic's next backward: nothing cut
     assert z._what(a) == z._SKIP and z._what(c) is None  # the actor's cut is still there
     z._cut_params.clear()
+
+
+def test_a_failure_half_way_cuts_nothing(monkeypatch):
+    """zeroshim's own error after one term was cut (issue #47 item 3): every cut made so far is removed, so the
+    backward runs as without zeroshim (here, plain torch: the zero terms send zero gradients) and no state is
+    left for the engine."""
+    a = torch.nn.Parameter(torch.randn(4))
+    b = torch.nn.Parameter(torch.randn(4))
+    a.ds_id, b.ds_id = 21, 22
+    loss = a.sum() * 0.0 + b.sum() * 0.0 + (a * 2).sum()
+    real, calls = z._gathered_for_good, []
+
+    def fails_the_second_time(p):
+        calls.append(p)
+        if len(calls) == 2:
+            raise RuntimeError("zeroshim bug half-way")
+        return real(p)
+
+    monkeypatch.setattr(z, "_gathered_for_good", fails_the_second_time)
+    engine = object()
+    with pytest.raises(RuntimeError, match="half-way"):
+        z.strip_zero_terms(loss, engine)
+    assert len(calls) == 2 and id(engine) not in z._cut_params
+    loss.backward()
+    assert torch.equal(a.grad, torch.full((4,), 2.0)) and torch.equal(b.grad, torch.zeros(4))  # nothing cut

@@ -266,7 +266,22 @@ def strip_zero_terms(loss, engine=None) -> int:
     parameters directly; returns how many were cut.  What each cut means for
     its parameters is kept for ``engine``'s backward (replacing that engine's
     previous one)."""
-    cuts = _cut_params[id(engine) if engine is not None else None] = {}
+    key = id(engine) if engine is not None else None
+    cuts = _cut_params[key] = {}
+    handles = []
+    try:
+        cut = _strip(loss, cuts, handles)
+    except BaseException:  # a failure half-way cuts nothing (issue #47 item 3): the backward runs unchanged
+        for handle in handles:
+            handle.remove()
+        _cut_params.pop(key, None)
+        raise
+    if not cut:
+        _cut_params.pop(key, None)
+    return cut
+
+
+def _strip(loss, cuts: dict, handles: list) -> int:
     root = getattr(loss, "grad_fn", None)
     cut, seen, stack = 0, set(), [root]
     # once per backward over every node of the graph: the common path (not a Mul node) costs a set
@@ -280,14 +295,12 @@ def strip_zero_terms(loss, engine=None) -> int:
         if type(node).__name__ in mul_nodes:
             params = _zero_term_params(node)
             if params:
-                node.register_prehook(_undefined)
+                handles.append(node.register_prehook(_undefined))
                 for p in params:  # what the hook does if the cut term was this parameter's only path
                     cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
                 cut += 1
                 continue
         push([fn for fn, _ in node.next_functions])
-    if not cut:
-        _cut_params.pop(id(engine) if engine is not None else None, None)
     return cut
 
 

@@ -193,6 +193,31 @@ def _input_grad(module, args):
     return None
 
 
+def mark_leaves(modules) -> None:
+    """Mark every module of ``modules`` as a ZeRO-3 leaf (with the input-grad pre-hook), or none: a failure
+    half-way undoes the marks made so far, then propagates (issue #47 item 3: a fallback leaves nothing
+    half-done; some blocks leaves and others not would gather differently from a run without zeroshim)."""
+    done = []
+    try:
+        for module in modules:
+            had_hook = getattr(module, "_zeroshim_input_grad", None) is not None
+            had_leaf = "_z3_leaf" in vars(module)
+            done.append((module, had_leaf, vars(module).get("_z3_leaf"), had_hook))
+            module._z3_leaf = True
+            if not had_hook:  # before DeepSpeed's leaf hooks
+                module._zeroshim_input_grad = module.register_forward_pre_hook(_input_grad, prepend=True)
+    except BaseException:
+        for module, had_leaf, leaf, had_hook in reversed(done):
+            if had_leaf:
+                module._z3_leaf = leaf
+            else:
+                vars(module).pop("_z3_leaf", None)
+            handle = None if had_hook else vars(module).pop("_zeroshim_input_grad", None)
+            if handle is not None:
+                handle.remove()
+        raise
+
+
 def _configure(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngine._configure_distributed_model(model)``."""
     with guard(NAME):
@@ -201,10 +226,7 @@ def _configure(wrapped, instance, args, kwargs):
                 and not _user_chose(instance, model):
             named = [m for m in model.modules() if type(m).__name__ in MOE_BLOCKS and _per_expert(m)]
             found = [m for m in model.modules() if type(m).__name__ not in MOE_BLOCKS and _routed_experts(m)]
-            for module in named + found:
-                module._z3_leaf = True
-                if getattr(module, "_zeroshim_input_grad", None) is None:  # before DeepSpeed's leaf hooks
-                    module._zeroshim_input_grad = module.register_forward_pre_hook(_input_grad, prepend=True)
+            mark_leaves(named + found)
             stats["marked"] += len(named) + len(found)
             stats["by_structure"] += len(found)
             if named or found:
