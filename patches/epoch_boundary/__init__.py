@@ -43,7 +43,8 @@ Fix
        (not measured here: this machine has no GPU);
     3. glibc's ``malloc_trim(0)`` returns freed heap to the OS (skipped where
        the C library has no ``malloc_trim``);
-    4. PSS before/after is logged at DEBUG.
+    4. PSS before/after is logged at DEBUG; the first automatic boundary that
+       released or returned something says so once per job, at WARNING.
 
     Kept from the first version because it measurably helps (benchmarks
     ``epoch_memory.py``, RESULTS.md §4): releasing parameters left gathered
@@ -106,7 +107,7 @@ import sys
 import types
 import weakref
 
-from zeroshim import _engines, _memory
+from zeroshim import _engines, _log, _memory
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr
 
@@ -169,6 +170,10 @@ def _free(engines: list, where: str) -> dict:
     stats["boundaries"] += 1
     stats["params_released"] += released
     stats["last"] = result
+    if where != "explicit" and (released or trimmed):  # the automatic boundaries change a healthy run's memory
+        _log.acted(NAME, "released %d gathered ZeRO-3 parameter(s) and returned freed heap to the OS at an epoch "
+                         "boundary (%s)", "parameters left gathered and freed heap otherwise stay held into the next "
+                         "epoch", released, where)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("zeroshim[%s]: epoch boundary (%s): released %d gathered ZeRO-3 parameter(s) of %d engine(s), "
                   "malloc_trim %s; PSS %s -> %s MiB", NAME, where, released, len(engines),
@@ -258,6 +263,7 @@ def patch_trainer_callbacks(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _iterated.clear()
+    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

@@ -418,9 +418,9 @@ def _start(loader, window: list) -> None:
     stats["buffers"] = sum(1 for a, n in buffers.items() if _first_at_or_after(starts, a) < a + n)
     stats["bytes"] = sum(length for _, length in ranges)
     stats["foreign_bytes"] = sum(length for _, length in kept)
-    _log.info("zeroshim[%s]: starting DataLoader workers without %d offloaded buffer(s) (%.0f MiB of optimizer "
-              "state and parameter partitions): forked workers would otherwise keep a copy of every page the "
-              "optimizer rewrites", NAME, stats["buffers"], stats["bytes"] / 2**20, once=(NAME, "info"))
+    _log.acted(NAME, "started DataLoader workers without %d offloaded buffer(s) (%.0f MiB of optimizer state and "
+                     "parameter partitions)", "forked workers would otherwise keep a copy of every page the optimizer "
+                     "rewrites", stats["buffers"], stats["bytes"] / 2**20)
 
 
 def _first_at_or_after(starts, address: int) -> float:
@@ -457,7 +457,7 @@ def patch_deepspeed_engine(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _hooks["active"] = False
-    _log.forget((NAME, "info"))
+    _log.forget((NAME, "acted"))
     _log.forget((NAME, "smaps"))
 
 
