@@ -167,14 +167,13 @@ def stats(name: str) -> dict:
 
 def changes(name: str) -> "List[Change]":
     """The attributes patch ``name`` has replaced and not undone, in the order
-    it replaced them (``"engine_tracking"``: the engine tracker the ZeRO
-    patches share).  Empty for a patch that is not applied."""
-    from ._patcher import _MISSING
+    it replaced them (or a tag of zeroshim's own shared wrappers, such as
+    ``"engine_tracking"``: the engine tracker the ZeRO patches share).  Empty
+    for a patch that is not applied."""
+    from ._patcher import _MISSING, SHARED
 
-    if name == "engine_tracking":
-        from . import _engines
-
-        patcher = _engines._patcher
+    if name in SHARED:
+        patcher = SHARED[name]
     else:
         load_patches()
         if name not in _patches:
@@ -187,7 +186,9 @@ def changes(name: str) -> "List[Change]":
 
 def _change_of(owner: object, attr: str) -> "Optional[Change]":
     current = getattr(owner, attr, None)
-    for name in ("engine_tracking",) + patch_names():
+    from ._patcher import SHARED
+
+    for name in tuple(SHARED) + patch_names():
         for change in changes(name):
             if change.owner is owner and change.attr == attr and change.replacement is current:
                 return change
@@ -495,8 +496,10 @@ def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
         state.patcher.undo()
         state.patcher = None
     state.done.clear()
-    if was_applied and patch.on_undo is not None:
-        patch.on_undo()
+    if was_applied:
+        _log.forget((patch.name, "acted"))  # applied again later, it says so again when it acts
+        if patch.on_undo is not None:
+            patch.on_undo()
     if was_applied or state.state != new_state:
         log.debug("zeroshim: %s is %s: %s", patch.name, new_state, reason)
     state.state, state.reason = new_state, reason

@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from ._patcher import Patcher, guard, require, require_attr
+from ._patcher import SHARED, Patcher, guard, require, require_attr
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ engines: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 # engines whose first forward has run the bypass probes
 _probed: "weakref.WeakSet" = weakref.WeakSet()
 _users: "Set[str]" = set()
-_patcher = Patcher(PATCH_NAME)
+_patcher = SHARED[PATCH_NAME] = Patcher(PATCH_NAME)
 _lock = threading.RLock()
 _local = threading.local()
 #: engines found by the scan at install time, since import (introspection and tests)

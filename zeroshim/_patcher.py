@@ -90,6 +90,12 @@ def _cell(cell):
         return None
 
 
+#: zeroshim's own shared wrappers (not patches), by tag -> their Patcher: a module that installs such wrappers
+#: announces itself here (``_engines``: "engine_tracking"), so that introspection (:func:`zeroshim.changes`,
+#: :func:`zeroshim.get_original`) sees them without knowing that module
+SHARED: "dict" = {}
+
+
 class Patcher:
     """Applies and records the changes of one patch."""
 

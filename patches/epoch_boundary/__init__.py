@@ -263,7 +263,6 @@ def patch_trainer_callbacks(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _iterated.clear()
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

@@ -583,7 +583,6 @@ def check_config(cfg, affected: bool) -> list:
 
 
 def _forget() -> None:
-    _log.forget((NAME, "acted"))
     _log.forget((NAME, "dependency"))
 
 

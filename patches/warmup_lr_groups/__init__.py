@@ -105,7 +105,6 @@ def patch_lr_schedules(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats["acted"] = 0
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

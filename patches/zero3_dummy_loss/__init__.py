@@ -364,7 +364,6 @@ def patch_stage3(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _cut_params.clear()
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

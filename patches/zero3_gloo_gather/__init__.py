@@ -124,7 +124,6 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats.update(split=0)
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

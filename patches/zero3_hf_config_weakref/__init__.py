@@ -193,7 +193,6 @@ def patch_integrations_deepspeed(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats.update(watched=0, kept=0)
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

@@ -148,7 +148,6 @@ def patch_coordinator(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats.update(reset_step=0, invalidate=0, release_all=0)
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

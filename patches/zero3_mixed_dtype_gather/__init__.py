@@ -117,7 +117,6 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats.update(regrouped=0)
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

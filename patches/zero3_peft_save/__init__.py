@@ -478,7 +478,6 @@ def _reset() -> None:
     _pending.clear()
     _lone_calls.clear()
     _saving.clear()
-    _log.forget((NAME, "acted"))
     _log.forget((NAME, "skipped"))
     _log.forget((NAME, "alone"))
 

@@ -166,7 +166,6 @@ def patch_accelerator(module, patcher: Patcher) -> None:
 def _reset() -> None:
     stats["filled"].clear()
     stats["hidden"].clear()
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

@@ -182,7 +182,6 @@ def check_config(cfg, affected: bool) -> list:
 
 def _reset() -> None:
     stats["rounded"].clear()
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

@@ -247,7 +247,6 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats.update(summed=0, refused=0)
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(

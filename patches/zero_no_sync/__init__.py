@@ -102,7 +102,6 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     stats.update(nulled=0)
-    _log.forget((NAME, "acted"))
 
 
 PATCH = Patch(
