@@ -284,3 +284,41 @@ def test_threads_importing_targets_while_an_apply_function_imports_never_deadloc
     done = subprocess.run([sys.executable, str(script), "100"], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, JOIN_S="10"))
     assert done.returncode == 0 and "runs=100 deadlocks=0 applied=200" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_unpatch_while_another_thread_applies_leaves_nothing_applied(tmp_path, monkeypatch):
+    """zeroshim.unpatch() from one thread while another thread's import is applying the patch (outside the
+    lock since issue #47 item 4): the applying thread undoes what it applied when its apply returns, and the
+    patch is off from the moment unpatch() returns (its wrappers pass through)."""
+    import threading
+
+    from zeroshim._declare import Patch
+
+    name = "zs_undo_race_target"
+    (tmp_path / f"{name}.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    started, release = threading.Event(), threading.Event()
+
+    def apply(module, patcher):
+        patcher.set(module, "f", lambda: 2)
+        started.set()
+        release.wait(10)
+
+    patch = Patch(name="zs_undo_race", summary="test", signatures=(), affects={}, targets={name: apply},
+                  changes=("error",))
+    _core.register(patch)
+    try:
+        importer = threading.Thread(target=__import__, args=(name,))
+        importer.start()
+        assert started.wait(10)
+        zeroshim.unpatch("zs_undo_race")  # while the other thread is inside apply
+        assert zeroshim.status()["zs_undo_race"].state == "disabled"
+        release.set()
+        importer.join(10)
+        assert sys.modules[name].f() == 1, "the applying thread left its change in place"
+        assert zeroshim.status()["zs_undo_race"].state == "disabled"
+    finally:
+        release.set()
+        zeroshim.apply("zs_undo_race")
+        _core.deregister("zs_undo_race")

@@ -19,8 +19,9 @@ decision from the same reports, and says on every rank which patch, which ranks 
 When: before a DeepSpeed engine is built (every rank reaches ``DeepSpeedEngine.__init__`` together, and some
 patches act inside it), and, for the patches that can act before any engine exists, right before they first
 act (:func:`before_acting`), where every rank whose flags allow it reaches the same point.  A rank that has not posted is waited for -- a WARNING every 30 s names the missing ranks on
-every rank that waits -- until ``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 300; 0 turns the check off), and
-then every rank that waits stops, naming them (zeroshim not imported there, or ``ZEROSHIM_DISABLED=1``).
+every rank that waits -- until ``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 1800, torch's own default for a
+collective; 0 turns the check off), and then every rank where such a patch acts stops, naming them (zeroshim
+not imported there, ``ZEROSHIM_DISABLED=1``, or no engine built there).
 
 Decisions are compared as they were at this rank's first post (flags and gates are read at import;
 ``zeroshim.configure()`` on some ranks only after that is not seen).  A patch that fails inside its wrapper
@@ -39,7 +40,9 @@ from ._patcher import Patcher
 
 PATCH_NAME = "ranks_agree"  # the tag on the engine tracker's use (never a user-facing patch)
 TIMEOUT_VAR = "ZEROSHIM_AGREE_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0
+#: torch's own default for a collective (``default_pg_timeout``, 30 min): a rank slow to reach its engine (a
+#: large checkpoint loaded on some ranks only) is never stopped by zeroshim before torch would stop it
+DEFAULT_TIMEOUT_S = 1800.0
 #: a rank on which no such patch acts has nothing at stake: it waits this long at most, then goes on
 IDLE_WAIT_S = 10.0
 WARN_EVERY_S = 30.0
@@ -60,7 +63,7 @@ class RanksDisagree(RuntimeError):
 
 
 def timeout_s(environ=None) -> float:
-    """``ZEROSHIM_AGREE_TIMEOUT`` in seconds (default 300; 0: no check).  As every flag read from the
+    """``ZEROSHIM_AGREE_TIMEOUT`` in seconds (default 1800; 0: no check).  As every flag read from the
     environment, a value that cannot be read does not stop the job: it is said at WARNING, naming the variable,
     and fails safe -- the check stays on, with the default."""
     raw = (os.environ if environ is None else environ).get(TIMEOUT_VAR, "").strip()
@@ -193,10 +196,11 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
             return _settled[ident]
         stats["checks"] += 1
         if ident not in _posted:
-            _posted[ident] = decisions()
             import json
 
-            store.set(f"{KEY}{rank}", json.dumps(_posted[ident]))
+            mine = decisions()
+            store.set(f"{KEY}{rank}", json.dumps(mine))
+            _posted[ident] = mine  # only once it is in the store: a failed set is tried again at the next check
         at_stake = any(entry[0] for entry in _posted[ident]["patches"].values())
         reports = _collect(store, world, rank, limit if at_stake else min(limit, IDLE_WAIT_S), where, at_stake)
         if reports is None:  # nothing at stake here, and some rank never said: go on
@@ -236,7 +240,8 @@ def _collect(store, world: int, rank: int, limit: float, where: str, at_stake: b
                        f"they decided about the patches that change collectives, at {where}; this rank cannot "
                        "know that they run the same collectives, so it stops rather than risk a silent hang. "
                        "Is zeroshim imported on every rank (zeroshim-run, or import zeroshim in the training "
-                       "script), and is ZEROSHIM_DISABLED set on some nodes only? " + _remedy())
+                       "script), is ZEROSHIM_DISABLED set on some nodes only, or are they slow to build their "
+                       "engine, or build none (an engine on some ranks only)? " + _remedy())
             _log.emit(logging.ERROR, _log.EVERY, "%s", message)
             raise RanksDisagree(message)
         if now >= next_warning:

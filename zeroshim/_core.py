@@ -421,12 +421,23 @@ def _on_import(name: str, module_name: str, module: object) -> None:
                 todo.extend(state.queued)
                 state.queued.clear()
                 if not todo:
-                    state.busy = None
+                    _idle(name, state)
     finally:
         with _lock:
             if state.busy == threading.get_ident():  # an error escaped: never leave the patch marked busy
-                state.busy = None
                 state.queued.clear()
+                _idle(name, state)
+
+
+def _idle(name: str, state: _State) -> None:
+    """This thread is done applying patch ``name`` (under ``_lock``): an undo asked for meanwhile that no
+    apply of it has carried out yet is done now."""
+    state.busy = None
+    if state.undo_after is not None:
+        new_state, reason = state.undo_after
+        state.undo_after = None
+        state.state = PENDING  # (``_undo`` set the new state already; it undoes what was applied now)
+        _undo(_patches[name], state, new_state, reason)
 
 
 def _apply_target(name: str, module_name: str, module: object) -> None:

@@ -145,12 +145,18 @@ def _first_in_job(patch: str) -> "bool | None":
         if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         store = dist.distributed_c10d._get_default_store()
-        return store.add(f"zeroshim/acted/{patch}", 1) == 1
+        # per round: after an undo the patch says so again when it acts again (every rank undoes alike)
+        return store.add(f"zeroshim/acted/{patch}/{_rounds.get(patch, 0)}", 1) == 1
     except Exception:  # no store (an MPI-only group): rank 0 speaks
         return None
+
+
+_rounds: dict = {}  # patch -> how many times its "acted" line was forgotten (the job-wide key's round)
 
 
 def forget(key: object) -> None:
     """Let a ``once`` message with this key be logged again (after an undo)."""
     with _seen_lock:
+        if key in _seen and isinstance(key, tuple) and len(key) == 2 and key[1] == "acted":
+            _rounds[key[0]] = _rounds.get(key[0], 0) + 1
         _seen.discard(key)
