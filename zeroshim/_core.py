@@ -472,14 +472,9 @@ def _apply_target(name: str, module_name: str, module: object) -> None:
             _failed(patch, state, module_name, exc)
         return
     with _lock:
-        if state.undo_after is not None:  # turned off while this thread applied: undo all of it now
-            new_state, reason = state.undo_after
-            state.undo_after = None
-            state.done.add(module_name)
-            _undo(patch, state, new_state, reason)
-            return
         state.done.add(module_name)
-        _refresh(patch, state)
+        if state.undo_after is None:  # (turned off meanwhile: _idle undoes all of it when this thread is done)
+            _refresh(patch, state)
 
 
 def _failed(patch: Patch, state: _State, module_name: str, exc: Exception) -> None:
