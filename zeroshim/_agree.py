@@ -139,24 +139,22 @@ def describe(split: dict) -> str:
 
 # -- the exchange ------------------------------------------------------------------------------------------
 def _store_and_world():
-    """The default process group's store and world size, or None where torch.distributed is not initialised
-    (nothing to agree with) or has no store (logged once)."""
-    import sys
+    """The default process group's store, world size and this rank, or None where there are not several
+    ranks (nothing to agree with) or no store (logged once)."""
+    from . import _dist
 
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    found = _dist.group()
+    if found is None:
         return None
-    world = dist.get_world_size()
-    if world < 2:
-        return None
+    dist, world, rank = found
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _dist.default_store(dist)
     except Exception as exc:  # an MPI-only group, a torch without the private accessor
         _log.warning("zeroshim: cannot check that the ranks agree about the patches that change collectives "
                      "(no key-value store: %r); set every ZEROSHIM_* flag alike on every node", exc,
                      scope=_log.RANK0, once=("agree", "nostore"))
         return None
-    return store, world, dist.get_rank()
+    return store, world, rank
 
 
 def settled() -> bool:
@@ -263,18 +261,20 @@ def _remedy() -> str:
 def _act_on(splits: "list[dict]", where: str) -> None:
     from . import _core
 
+    known = _core.patch_names()  # a patch only another rank's zeroshim has is off here already
     stops = [s for s in splits if s["rule"] == "stop"]
     for split in splits:
-        flag = _core.get_patch(split["patch"]).flag if split["patch"] in _core.patch_names() else "its flag"
         if split["rule"] == "stop":
             continue
+        here = split["patch"] in known
         _log.warning("zeroshim: the ranks disagree: %s. It changes which collectives run, so it is turned off "
                      "on every rank (what an unpatched job runs). Set %s alike on every node to choose",
-                     describe(split), flag, scope=_log.EVERY)
-        if split["patch"] in _core.patch_names():
+                     describe(split), _core.get_patch(split["patch"]).flag if here else "its flag",
+                     scope=_log.EVERY)
+        if here:
             _core.agree_off(split["patch"], f"off on every rank because the ranks disagreed: {describe(split)}")
     if stops:
-        flags = ", ".join(_core.get_patch(s["patch"]).flag for s in stops if s["patch"] in _core.patch_names())
+        flags = ", ".join(_core.get_patch(s["patch"]).flag for s in stops if s["patch"] in known)
         message = ("zeroshim: the ranks disagree about patches that change collectives, and without them the "
                    "bug they fix is silent (a hang or a wrong result), so the run stops here, at " + where +
                    ", on every rank: " + "; ".join(describe(s) for s in stops) + ". Set " + (flags or "the flags") +

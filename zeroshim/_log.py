@@ -138,13 +138,13 @@ def _declaration(patch: str):
 
 def _first_in_job(patch: str) -> "bool | None":
     """Whether this process is the job's first to act for ``patch`` (None where no store can say)."""
-    import sys
+    from . import _dist
 
-    dist = sys.modules.get("torch.distributed")
+    found = _dist.group()
+    if found is None:
+        return None
     try:
-        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-            return None
-        store = dist.distributed_c10d._get_default_store()
+        store = _dist.default_store(found[0])
         # per round: after an undo the patch says so again when it acts again (every rank undoes alike)
         return store.add(f"zeroshim/acted/{patch}/{_rounds.get(patch, 0)}", 1) == 1
     except Exception:  # no store (an MPI-only group): rank 0 speaks

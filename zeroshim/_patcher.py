@@ -216,18 +216,12 @@ class CollectivePatchFailed(RuntimeError):
     alone (the other ranks would run other collectives), so the run stops (:class:`guard`)."""
 
 
-#: patches whose guard re-raised (introspection and tests)
-stats_failed: list = []
-
-
 def several_ranks() -> bool:
     """Whether this process is one of several ranks of an initialised process group (where a fallback on one
-    rank alone could split them); never imports torch."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-    except Exception:
-        return False
+    rank alone could split them)."""
+    from . import _dist
+
+    return _dist.group() is not None
 
 
 class guard:
@@ -261,12 +255,11 @@ class guard:
         patch = _core._patches.get(self.patch_name)
         if patch is not None and patch.collective and several_ranks():
             # falling back on this rank alone would leave the ranks running different collectives: a hang
-            stats_failed.append(self.patch_name)
             message = (f"zeroshim[{self.patch_name}]: internal error in a patch that changes which collectives "
                        "run; falling back on this rank alone would leave the ranks running different collectives "
                        f"(a hang), so the run stops here. {patch.flag}=off on every rank turns the patch off; "
                        "please report this")
-            _log.emit(40, _log.EVERY, "%s", message, exc_info=(exc_type, exc, tb))
+            _log.emit(logging.ERROR, _log.EVERY, "%s", message, exc_info=(exc_type, exc, tb))
             raise CollectivePatchFailed(message) from exc
         _log.warning("zeroshim[%s]: internal error, falling back to the unpatched behaviour (please report this)",
                      self.patch_name, scope=_log.EVERY, once=("guard", self.patch_name), exc_info=(exc_type, exc, tb))
