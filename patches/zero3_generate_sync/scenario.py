@@ -16,20 +16,10 @@ if "with" in sys.argv:
 
 import torch
 
-from common import (ds_config, end_hang_scenario, hang_args, import_deepspeed, init_distributed, versions,
-                    watch_for_hang)
+from common import (ds_config, end_hang_scenario, hang_args, import_deepspeed, init_distributed, tiny_llama,
+                    versions, watch_for_hang)
 
 deepspeed = import_deepspeed()
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config)
 
 
 def main():

@@ -2,7 +2,7 @@
 ``deepspeed.initialize`` (no HfDeepSpeedConfig), then ``generate()`` with rank-dependent lengths (rank 0 stops
 after 2 new tokens, rank 1 after 6) and one training step.  ``ZSAGREE_RANK<r>`` (JSON) holds environment
 variables exported on that rank only, before ``import zeroshim``: a flag set on one node only.  A watchdog
-records "hang" where generate or the step never returns.  ``--fail-guard`` makes rank 1's
+records "hang" (``common.watch_for_hang``) where generate or the step never returns.  ``--fail-guard`` makes rank 1's
 ``zero3_generate_sync`` fail inside its wrapper (zeroshim's own error on one rank)."""
 
 import argparse
@@ -21,19 +21,10 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout,
 import zeroshim  # noqa: E402,F401
 import torch  # noqa: E402
 
-from common import ds_config, import_deepspeed, init_distributed, versions, write_results  # noqa: E402
+from common import (ds_config, import_deepspeed, init_distributed, tiny_llama, versions,  # noqa: E402
+                    watch_for_hang, write_results)
 
 deepspeed = import_deepspeed()
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config)
 
 
 def main():
@@ -44,16 +35,7 @@ def main():
     args = parser.parse_args()
     rank, _ = init_distributed()
     results = {"versions": versions(), "stage": "init"}
-
-    import threading
-
-    def watchdog():
-        time.sleep(args.timeout)
-        results["hang"] = results["stage"]
-        write_results(args.out, results)
-        os._exit(0)
-
-    threading.Thread(target=watchdog, daemon=True).start()
+    watch_for_hang(args, results, "hang")  # past --timeout: results["hang"], with the stage it was in
     if args.fail_guard and rank == 1:
         from zeroshim.patches import zero3_generate_sync as patch
 

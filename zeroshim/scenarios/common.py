@@ -106,6 +106,18 @@ def ds_config(stage: int, *, micro_batch: int = 4, bf16: bool = True, clip: floa
     }
 
 
+def tiny_llama():
+    """A 2-layer Llama of width 32 (vocabulary 64), seeded: the same weights in every process."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
 def trainer_ds_config() -> dict:
     """The ZeRO-3 config the HF Trainer scenarios pass (Trainer fills the "auto"s)."""
     return {
