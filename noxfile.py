@@ -1,5 +1,7 @@
 """Test environments (the pinned matrix) and the demo.
 
+    nox -s ci               what CI runs (the README's test command): every tests environment, the
+                            accelerate client and packaging, each one's install done ahead of its tests
     nox -s tests            every environment of the matrix, one after another
     nox -s "tests(env='ds0.19.8')"   one of them
     nox -s demo             `zeroshim prove`: each patch that applies, without and with zeroshim
@@ -34,6 +36,9 @@ never in pyproject.toml.
 import glob
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 import zipfile
 
@@ -42,7 +47,7 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = not os.environ.get("CI")
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s tests "clients(framework='accelerate')" packaging`)
+nox.options.sessions = ["tests"]  # what `nox` alone runs (CI: `nox -s ci`)
 
 TORCH = os.environ.get("NOX_TORCH")  # overrides every session's torch (e.g. "torch==2.16.0")
 TORCH_DEFAULT = "torch==2.13.0"
@@ -81,6 +86,8 @@ DEMO_ENV = "ds0.19.8"
 # Where the tests sessions write their timings (per-session wall times, per-launch JSON lines): read by
 # .ci/timings.py at the end of .ci/run.
 TIMINGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci-timings")
+# Set by `nox -s ci` in the sessions it runs: "install" (`nox --install-only`) or "test" (`nox -R`).
+PHASE = os.environ.get("ZSCI_PHASE", "")
 # Environments whose DeepSpeed predates numpy 2 support: numpy 2 is also put in a
 # side directory, and tests/test_numpy2_compat.py runs DeepSpeed with it first on
 # PYTHONPATH (patch numpy2_compat), while the environment itself keeps numpy < 2.
@@ -202,7 +209,11 @@ def tests(session, env):
         _pip(session, "--no-deps", "--target", side, NUMPY2_SIDE[env])
         extra["ZSTEST_NUMPY2"] = side
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
-    session.run("python", "-c", PREBUILD_COMM_OP, env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
+    # an install step: done by `nox --install-only`, skipped by `nox -R`
+    session.run_install("python", "-c", PREBUILD_COMM_OP,
+                        env=_env(session, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
+    if PHASE == "install":
+        return
     # only the test files of a light environment's patches (LIGHT), unless posargs name others
     files = sorted(f for name in LIGHT.get(env, ()) for f in glob.glob(f"tests/test_{name}.py")
                    + glob.glob(f"tests/test_{name}_*.py")) if not session.posargs else []
@@ -213,7 +224,96 @@ def tests(session, env):
     finally:
         with open(os.path.join(TIMINGS, "sessions.jsonl"), "a") as fh:
             fh.write(json.dumps({"session": session.name, "env": env, "torch": _SESSION_TORCH.get(session.name),
-                                 "seconds": round(time.time() - started, 1)}) + "\n")
+                                 "seconds": round(time.time() - started, 1),
+                                 "phase": PHASE or "install and test"}) + "\n")
+
+
+# What CI runs (`nox -s ci`, the README's test command), in this order.  Sessions with a test phase run their tests
+# one after another; packaging, which checks its own installs, runs whole beside them.
+CI_SESSIONS = [*(f"tests(env='{name}')" for name in MATRIX), "clients(framework='accelerate')", "packaging"]
+CI_WHOLE_BESIDE = ("packaging",)
+
+
+def _nox(name: str, phase: str, *options: str, **popen) -> subprocess.Popen:
+    """`nox -s NAME` in a child process, with ZSCI_PHASE=PHASE (see PHASE)."""
+    command = [sys.executable, "-m", "nox", "-f", os.path.abspath(__file__), "-s", name, *options]
+    return subprocess.Popen(command, env={**os.environ, "ZSCI_PHASE": phase}, **popen)
+
+
+@nox.session(venv_backend="none")
+def ci(session):
+    """CI: the sessions of CI_SESSIONS, as `nox -s <each>` one after another would run them, with every install
+    done ahead: one install (`nox --install-only`: pip, DeepSpeed's comm op) at a time, in order, beside the tests of
+    the sessions before it, and each session's tests (`nox -R`) as soon as its own install is done.  An install waits
+    mostly on the disk and the network, the tests on the CPU; run one after the other, the installs were about a
+    quarter of CI's time (issue #43).  An install's output goes to .ci-timings/install-<session>.log, printed when it
+    fails; phases' times go to .ci-timings/ci.jsonl for .ci/timings.py."""
+    os.makedirs(TIMINGS, exist_ok=True)
+    record = os.path.join(TIMINGS, "ci.jsonl")
+    done = {name: threading.Event() for name in CI_SESSIONS}
+    result = {name: {"session": name} for name in CI_SESSIONS}
+
+    def log_of(name):
+        return os.path.join(TIMINGS, "install-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".log")
+
+    def installs():
+        for name in CI_SESSIONS:
+            whole = name in CI_WHOLE_BESIDE
+            started = time.time()
+            with open(log_of(name), "w") as out:
+                try:
+                    child = _nox(name, "whole" if whole else "install", *([] if whole else ["--install-only"]),
+                                 stdout=out, stderr=subprocess.STDOUT)
+                    rc = child.wait()
+                except OSError as exc:
+                    out.write(f"could not start nox: {exc}\n")
+                    rc = 1
+            result[name]["whole" if whole else "install"] = round(time.time() - started, 1)
+            result[name]["install_rc"] = rc
+            done[name].set()
+
+    threading.Thread(target=installs, name="ci-installs", daemon=True).start()
+    failed = []
+
+    def show(name, why):
+        failed.append(name)
+        session.warn(f"{name}: {why}; its output ({log_of(name)}):")
+        with open(log_of(name), errors="replace") as fh:
+            print(fh.read()[-20000:], flush=True)
+
+    for name in CI_SESSIONS:
+        if name in CI_WHOLE_BESIDE:
+            continue
+        waited = time.time()
+        done[name].wait()
+        result[name]["waited_for_install"] = round(time.time() - waited, 1)
+        if result[name]["install_rc"]:
+            show(name, f"its install failed (exit status {result[name]['install_rc']}); its tests did not run")
+            continue
+        session.log(f"{name}: installed in {result[name]['install']:.0f} s (waited {result[name]['waited_for_install']:.0f} s)")
+        started = time.time()
+        rc = _nox(name, "test", "-R").wait()
+        result[name]["test"], result[name]["test_rc"] = round(time.time() - started, 1), rc
+        if rc:
+            failed.append(name)
+    for name in CI_WHOLE_BESIDE:
+        done[name].wait()
+        if result[name]["install_rc"]:
+            show(name, f"failed (exit status {result[name]['install_rc']})")
+        else:
+            session.log(f"{name}: passed in {result[name]['whole']:.0f} s, beside the tests (its output: {log_of(name)})")
+    with open(record, "a") as fh:
+        for name in CI_SESSIONS:
+            fh.write(json.dumps(result[name]) + "\n")
+    for name in CI_SESSIONS:
+        r = result[name]
+        state = "failed" if name in failed else "passed"
+        phases = (f"beside the tests {r.get('whole', 0):.0f} s" if name in CI_WHOLE_BESIDE else
+                  f"install {r.get('install', 0):.0f} s (waited for {r.get('waited_for_install', 0):.0f} s), "
+                  f"tests {r.get('test', 0):.0f} s")
+        session.log(f"  {name:<34} {state}: {phases}")
+    if failed:
+        session.error(f"{len(failed)} of {len(CI_SESSIONS)} sessions failed: {', '.join(failed)}")
 
 
 @nox.session
@@ -330,7 +430,7 @@ def clients(session, framework):
     if no_deps:
         _pip(session, "--no-deps", *no_deps)
     for folder in strip:
-        session.run("python", "-c", "import glob, os, sys, sysconfig; [os.remove(p) for p in glob.glob("
+        session.run_install("python", "-c", "import glob, os, sys, sysconfig; [os.remove(p) for p in glob.glob("
                     "os.path.join(sysconfig.get_path('purelib'), sys.argv[1], '*.so'))]", folder)
     extra = {}
     if framework in CLIENT_SIDE_DEEPSPEED:

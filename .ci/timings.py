@@ -1,5 +1,5 @@
 """Where CI's time went (issue #43): per test environment, per patch, and the slowest scenario launches,
-from what the nox `tests` sessions wrote under .ci-timings/ (noxfile.py TIMINGS); and where each patch's proof
+from what `nox -s ci` and the nox `tests` sessions wrote under .ci-timings/ (noxfile.py TIMINGS); and where each patch's proof
 passed.  Standard library only.
 
     python3 .ci/timings.py [--elapsed SECONDS --budget SECONDS] [--patches DIR] [DIR]
@@ -65,7 +65,21 @@ def account(folder: str, top: int = 15) -> str:
             table[key][0] += 1
             table[key][1] += wall
             table[key][2] += startup
-    lines.append("per environment (the session's wall time, install included; its scenario launches):")
+    phases = {}
+    for record in read_lines(os.path.join(folder, "ci.jsonl")):
+        phases[record.get("session")] = record  # `nox -s ci`: the last run of each session
+    if phases:
+        lines.append("per session (`nox -s ci`: each install runs beside the tests before it; the tests wait only "
+                     "where it is not done):")
+        for name, record in phases.items():
+            if "whole" in record:
+                lines.append(f"  {name:<34} beside the tests {float(record['whole']):6.0f} s")
+            else:
+                lines.append(f"  {name:<34} install {float(record.get('install') or 0):6.0f} s (waited for "
+                             f"{float(record.get('waited_for_install') or 0):4.0f} s)  tests "
+                             f"{float(record.get('test') or 0):6.0f} s")
+    lines.append("per environment (the session's wall time: its tests, or install and tests where the session ran "
+                 "whole; its scenario launches):")
     for name, record in sorted(sessions.items(), key=lambda kv: -float(kv[1].get("seconds") or 0)):
         env = record.get("env")
         count, wall, startup = by_env.get(env, [0, 0.0, 0.0])
