@@ -103,7 +103,7 @@ def test_an_off_rule_split_turns_the_patch_off_here_and_says_so(store, monkeypat
     other["patches"][name] = [False, f"disabled: ZEROSHIM_{name.upper()}=off", "off"]
     mine["patches"][name] = [True, "acts", "off"]  # acting here, whatever this machine's gate says
     monkeypatch.setattr(_agree, "decisions", lambda: mine)
-    store.set(_agree.KEY + "1", json.dumps(other))
+    _agree.post(store, 2, 1, other)
     with caplog.at_level(logging.WARNING, logger="zeroshim"):
         [split] = _agree.exchange(store, 2, 0, limit=5, where="a test")
     assert split["patch"] == name
@@ -118,8 +118,7 @@ def test_an_off_rule_split_turns_the_patch_off_here_and_says_so(store, monkeypat
 def test_a_stop_rule_split_raises_on_this_rank_with_the_remedy(store, monkeypatch):
     mine = report(zero3_generate_sync=(True, "acts", "stop"))
     monkeypatch.setattr(_agree, "decisions", lambda: mine)
-    store.set(_agree.KEY + "1", json.dumps(report(
-        zero3_generate_sync=(False, "disabled: ZEROSHIM_ZERO3_GENERATE_SYNC=off", "stop"))))
+    _agree.post(store, 2, 1, report(zero3_generate_sync=(False, "disabled: ZEROSHIM_ZERO3_GENERATE_SYNC=off", "stop")))
     with pytest.raises(_agree.RanksDisagree, match="zero3_generate_sync acts on rank 0 but not on rank 1") as err:
         _agree.exchange(store, 2, 0, limit=5, where="DeepSpeedEngine.__init__")
     assert "ZEROSHIM_ZERO3_GENERATE_SYNC alike on every node" in str(err.value)
@@ -141,10 +140,51 @@ def test_a_rank_with_nothing_at_stake_goes_on_when_another_never_reports(store, 
 def test_a_late_rank_is_waited_for(store, monkeypatch):
     same = report(zero3_generate_sync=(True, "acts", "stop"))
     monkeypatch.setattr(_agree, "decisions", lambda: same)
-    late = threading.Timer(0.5, lambda: store.set(_agree.KEY + "1", json.dumps(same)))
+    late = threading.Timer(0.5, lambda: _agree.post(store, 2, 1, same))
     late.start()
     assert _agree.exchange(store, 2, 0, limit=30, where="a test") == []
     late.join()
+
+
+class CountingStore:
+    """A c10d store that counts the operations zeroshim makes on it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["agree", "one_rank_differs"])
+def test_agreement_costs_each_rank_a_few_store_operations_whatever_the_world_size(store, monkeypatch, split):
+    world = 256
+    same = report(zero3_generate_sync=(True, "acts", "stop"), zero3_moe_leaf=(False, "skipped: x", "stop"))
+    monkeypatch.setattr(_agree, "decisions", lambda: same)
+    for rank in range(1, world):
+        other = report(zero3_generate_sync=(rank != 97 or not split, "acts", "stop"),
+                       zero3_moe_leaf=(False, "skipped: y", "stop"))
+        _agree.post(store, world, rank, other)
+    counting = CountingStore(store)
+    if not split:
+        assert _agree.exchange(counting, world, 0, limit=5, where="a test") == []
+        assert "get" not in counting.calls and len(counting.calls) <= 6, counting.calls  # no report read
+    else:  # a disagreement reads every report, to name the rank and why
+        with pytest.raises(_agree.RanksDisagree, match="not on rank 97"):
+            _agree.exchange(counting, world, 0, limit=5, where="a test")
+
+
+def test_the_digest_is_the_set_of_acting_patches():
+    a = report(x=(True, "acts", "off"), y=(False, "skipped: old", "off"))
+    b = report(y=(False, "disabled: flag", "stop"), x=(True, "acts", "off"), z=(False, "unknown", "off"))
+    assert _agree.digest(a) == _agree.digest(b) and _agree.resolve({0: a, 1: b}) == []
+    c = report(x=(True, "acts", "off"), y=(True, "acts", "off"))
+    assert _agree.digest(a) != _agree.digest(c) and _agree.resolve({0: a, 1: c})
 
 
 # -- guard in a patch that changes collectives -------------------------------------------------------------------

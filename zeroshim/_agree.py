@@ -23,6 +23,12 @@ every rank that waits -- until ``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 1800,
 collective; 0 turns the check off), and then every rank where such a patch acts stops, naming them (zeroshim
 not imported there, ``ZEROSHIM_DISABLED=1``, or no engine built there).
 
+The exchange costs each rank a constant number of store operations, whatever the world size: a rank posts its
+report and adds one to two counters, the ranks that posted and the ranks whose set of acting patches has its
+digest; once every rank posted, the digest's count equals the world size exactly where every rank acts on the
+same patches, which is all that agreement needs.  Only then does a rank read every report (to say which ranks
+and why), and only a rank that waits past a WARNING's interval probes which ranks are missing.
+
 Decisions are compared as they were at this rank's first post (flags and gates are read at import;
 ``zeroshim.configure()`` on some ranks only after that is not seen).  A patch that fails inside its wrapper
 (``guard``) after the ranks agreed cannot fall back on one rank alone: ``guard`` re-raises for such patches.
@@ -46,7 +52,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 #: a rank on which no such patch acts has nothing at stake: it waits this long at most, then goes on
 IDLE_WAIT_S = 10.0
 WARN_EVERY_S = 30.0
-KEY = "zeroshim/agree/v1/"
+KEY = "zeroshim/agree/v2/"  # v2: counters and digests beside the reports
 
 _lock = threading.RLock()
 _patcher = Patcher(PATCH_NAME)
@@ -194,16 +200,16 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
             return _settled[ident]
         stats["checks"] += 1
         if ident not in _posted:
-            import json
-
             mine = decisions()
-            store.set(f"{KEY}{rank}", json.dumps(mine))
-            _posted[ident] = mine  # only once it is in the store: a failed set is tried again at the next check
+            post(store, world, rank, mine)
+            _posted[ident] = mine  # only once it is in the store: a failed post is tried again at the next check
         at_stake = any(entry[0] for entry in _posted[ident]["patches"].values())
-        reports = _collect(store, world, rank, limit if at_stake else min(limit, IDLE_WAIT_S), where, at_stake)
-        if reports is None:  # nothing at stake here, and some rank never said: go on
-            return []
-        splits = resolve(reports)
+        if not _wait_for_all(store, world, rank, limit if at_stake else min(limit, IDLE_WAIT_S), where, at_stake):
+            return []  # nothing at stake here, and some rank never said: go on
+        if _count(store, f"{KEY}digest/{digest(_posted[ident])}") == world:
+            splits = []  # every rank acts on the same patches
+        else:
+            splits = resolve(_read_all(store, world))
         _settled[ident] = splits
     if splits:
         stats["disagreements"] += len(splits)
@@ -211,29 +217,60 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
     return splits
 
 
-def _collect(store, world: int, rank: int, limit: float, where: str, at_stake: bool) -> "dict[int, dict] | None":
+def digest(report: dict) -> str:
+    """What agreement compares: the names of the patches a report acts on (a patch a rank does not know counts as
+    not acting, as in :func:`resolve`), hashed.  Equal digests on every rank: :func:`resolve` finds no split."""
+    import hashlib
+
+    acting = sorted(name for name, entry in report.get("patches", {}).items() if entry[0])
+    return hashlib.sha1("\n".join(acting).encode()).hexdigest()[:20]
+
+
+def post(store, world: int, rank: int, report: dict) -> None:
+    """Post ``rank``'s report: its key, then one more rank with its digest, then one more rank that posted (the
+    rank that completes the count also sets the key the others wait on)."""
     import json
+
+    store.set(f"{KEY}{rank}", json.dumps(report))
+    store.add(f"{KEY}digest/{digest(report)}", 1)
+    if store.add(f"{KEY}posted", 1) >= world:
+        store.set(f"{KEY}all", "1")
+
+
+def _count(store, key: str) -> int:
+    return int(store.add(key, 0))
+
+
+def _read_all(store, world: int) -> "dict[int, dict]":
+    import json
+
+    return {other: json.loads(store.get(f"{KEY}{other}")) for other in range(world)}
+
+
+def _missing(store, world: int) -> list:
+    return [other for other in range(world) if not store.check([f"{KEY}{other}"])]
+
+
+def _wait_for_all(store, world: int, rank: int, limit: float, where: str, at_stake: bool) -> bool:
+    """Wait until every rank posted (True); False where this rank has nothing at stake and the others did not
+    all post within ``limit``.  Raises :class:`RanksDisagree` where it has something at stake and they did not."""
     from datetime import timedelta
 
-    reports: dict = {}
     start = time.monotonic()
     next_warning = start + WARN_EVERY_S
     while True:
-        for other in range(world):
-            if other not in reports and store.check([f"{KEY}{other}"]):
-                reports[other] = json.loads(store.get(f"{KEY}{other}"))
-        if len(reports) == world:
+        if _count(store, f"{KEY}posted") >= world:
             stats["waited_s"] += time.monotonic() - start
-            return reports
+            return True
         now = time.monotonic()
-        missing = [r for r in range(world) if r not in reports]
         if now - start >= limit:
             stats["waited_s"] += now - start
+            missing = _missing(store, world)
             if not at_stake:
                 _log.info("zeroshim: %s did not say within %g s what they decided about the patches that change "
                           "collectives; none acts on rank %d, which goes on", _ranks(missing), limit, rank,
                           scope=_log.EVERY)
-                return None
+                return False
             message = (f"zeroshim: {_ranks(missing)} did not say within {limit:g} s ({TIMEOUT_VAR}) what "
                        f"they decided about the patches that change collectives, at {where}; this rank cannot "
                        "know that they run the same collectives, so it stops rather than risk a silent hang. "
@@ -245,10 +282,10 @@ def _collect(store, world: int, rank: int, limit: float, where: str, at_stake: b
         if now >= next_warning:
             next_warning = now + WARN_EVERY_S
             _log.warning("zeroshim: rank %d waits for %s to say what they decided about the patches that change "
-                         "collectives (%.0f s of %g s, %s); at %s", rank, _ranks(missing), now - start, limit,
-                         TIMEOUT_VAR, where, scope=_log.EVERY)
-        try:  # wakes as soon as the first missing report arrives
-            store.wait([f"{KEY}{missing[0]}"], timedelta(seconds=min(1.0, max(0.01, limit - (now - start)))))
+                         "collectives (%.0f s of %g s, %s); at %s", rank, _ranks(_missing(store, world)),
+                         now - start, limit, TIMEOUT_VAR, where, scope=_log.EVERY)
+        try:  # wakes as soon as the last rank posts
+            store.wait([f"{KEY}all"], timedelta(seconds=min(1.0, max(0.01, limit - (now - start)))))
         except Exception:  # a timeout of the wait itself: look again
             pass
 
