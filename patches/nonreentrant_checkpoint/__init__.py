@@ -595,7 +595,6 @@ PATCH = Patch(
         # 0.14.x: `self.params_in_ipg_bucket`; later releases: `params_in_bucket`
         r"assert len\(set\(p\.ds_id for p in (self\.)?params_in_(ipg_)?bucket\)\)",
     ),
-    versions="every DeepSpeed release (0.14.1–0.19.8 reproduced)",
     affects={"deepspeed": ""},
     targets={
         "torch.utils.checkpoint": patch_torch_checkpoint,

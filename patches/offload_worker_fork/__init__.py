@@ -466,7 +466,7 @@ PATCH = Patch(
     summary="ZeRO offload + DataLoader workers: host memory grows each epoch, OOM early in epoch 2 (forked "
             "workers copy the offloaded optimizer state)",
     signatures=(),
-    versions="every DeepSpeed release (acts while a ZeRO engine with CPU-resident state is alive and workers are forked)",
+    versions_note="acts while a ZeRO engine with CPU-resident state is alive and workers are forked",
     affects={"deepspeed": ""},
     targets={
         "torch.utils.data.dataloader": patch_dataloader,

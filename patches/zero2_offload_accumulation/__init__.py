@@ -126,7 +126,6 @@ PATCH = Patch(
     summary="ZeRO-2 + offload_optimizer + gradient accumulation >= 3: micro-batches between the first and the last "
             "are silently dropped",
     signatures=(),  # silent: `zeroshim doctor --config` is how users find it
-    versions="DeepSpeed 0.15.2 – 0.18.x",
     affects={"deepspeed": ">=0.15.2,<0.19.0"},
     fingerprint=Fingerprint(
         "deepspeed.runtime.zero.stage_1_and_2",

@@ -187,8 +187,8 @@ PATCH = Patch(
             "that needed no conversion; 5.4.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "
             "models): they load as MISSING and are re-initialised",
     signatures=(),  # silent apart from transformers' generic LOAD REPORT
-    versions="transformers 5.0.0 (MoE plain keys) and 5.4.0 to 5.5.4 (Qwen3.5 / Gemma3n language_model.*); "
-             "5.1.0 to 5.3.0 and >=5.6.0 keep them; 4.x has no weight conversion; every DeepSpeed",
+    versions_note=("5.0.0: MoE plain keys; 5.4.0 to 5.5.4: Qwen3.5 / Gemma3n language_model.*; 4.x has no weight "
+                   "conversion; every DeepSpeed"),
     affects={"transformers": ">=5.0.0,<5.6.0,!=5.1.*,!=5.2.*,!=5.3.*"},
     # no source fingerprint: the two forms live in two modules (5.0.0's loop in integrations/deepspeed.py, the
     # unscoped renaming in conversion_mapping.py), and one fingerprint decides over the version range

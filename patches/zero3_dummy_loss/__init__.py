@@ -376,7 +376,6 @@ PATCH = Patch(
          r"compatible with \[\d[\d, ]*\]|\[\d[\d, ]*\] but expected shape compatible with \[0\])", r"(?i)deepspeed"),
         r"\b0 != \d+ Cannot reduce scatter gradients whose size is not same as the params",
     ),
-    versions="every DeepSpeed release (0.14.1–0.19.8 reproduced)",
     affects={"deepspeed": ""},
     targets={
         "deepspeed.runtime.engine": patch_engine,

@@ -133,7 +133,7 @@ PATCH = Patch(
     summary="ZeRO-3 on gloo (CPU): GatheredParameters over several parameters, save_16bit_model and ZeRO-3 loads "
             "now and then read unwritten memory; with modifier_rank=0 the model itself changes, silently",
     signatures=(),
-    versions="DeepSpeed < 0.19.8 with a gloo process group (NCCL untouched)",
+    versions_note="with a gloo process group; NCCL untouched",
     affects={"deepspeed": "<0.19.8"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"launch_handles\[-1\]\.wait\(\)",
                             "the wait on the last all-gather handle only in _allgather_params_coalesced (#8539)"),

@@ -201,7 +201,7 @@ PATCH = Patch(
     summary="HfDeepSpeedConfig dropped before from_pretrained (held by weak reference only): the model loads "
             "without zero.Init, every rank holds all of it",
     signatures=(),  # silent: nothing is printed
-    versions="transformers ≥ 4.33.0, every DeepSpeed (the weak reference dates from 4.6.0; 5.24.0 still has it)",
+    versions_note="every DeepSpeed; the weak reference dates from 4.6.0",
     affects={"transformers": ">=4.33.0"},
     fingerprint=Fingerprint("transformers.integrations.deepspeed",
                             r"_hf_deepspeed_config_weak_ref = weakref\.ref\(",

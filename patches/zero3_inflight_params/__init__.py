@@ -156,7 +156,6 @@ PATCH = Patch(
     summary="ZeRO-3 \"still have inflight params\" when the modules run change between steps (branches, towers, "
             "eval between steps): prefetched gathers of modules that did not run are never waited for",
     signatures=(r"RuntimeError: still have inflight params", r"RuntimeError: param \{'id': \d+.*\} still in flight"),
-    versions="DeepSpeed < 0.15.3",
     affects={"deepspeed": "<0.15.3"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partitioned_param_coordinator",
                             r"raise RuntimeError\(f\"still have inflight params",

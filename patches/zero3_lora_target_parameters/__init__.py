@@ -115,7 +115,6 @@ PATCH = Patch(
     summary="peft LoRA target_parameters on a model built under ZeRO-3 (zero.Init): IndexError: tuple index "
             "out of range in ParamWrapper",
     signatures=((r"IndexError: tuple index out of range", r"param\.shape\[1\], param\.shape\[0\]"),),
-    versions="every DeepSpeed release, with peft 0.17.0 – 0.20.0 (fixed in peft 0.21.0)",
     affects={"peft": ">=0.17.0,<0.21.0", "deepspeed": ""},
     fingerprint=Fingerprint("peft.tuners.lora.layer", r"1, param\.shape\[1\], param\.shape\[0\]",
                             "ParamWrapper reading the targeted parameter's partitioned shape "

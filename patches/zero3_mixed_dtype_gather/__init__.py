@@ -126,7 +126,7 @@ PATCH = Patch(
             "the same type as input tensor at the first optimizer step",
     signatures=((r"output tensor must have the same type as input tensor", r"_allgather_params_coalesced"),
                 (r"ProcessGroupGloo::allgather: invalid tensor type", r"_allgather_params_coalesced")),
-    versions="DeepSpeed < 0.19.3 (reached through peft LoRA on 0.19.2, fixed in 0.19.3)",
+    versions_note="reached through peft LoRA on 0.19.2",
     affects={"deepspeed": "<0.19.3"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"dtype=param_list\[0\]\.ds_tensor\.dtype",
                             "the first parameter's dtype for every buffer of _allgather_params_coalesced (#8073)"),

@@ -174,7 +174,7 @@ PATCH = Patch(
     summary="accelerator.prepare with \"auto\" ZeRO bucket sizes on a multimodal model (hidden size only in "
             "text_config): \"Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`\"",
     signatures=(r"Can find neither `model\.config\.hidden_size` nor `model\.config\.hidden_sizes`",),
-    versions="accelerate ≥ 0.26.0 (accelerate's own DeepSpeed preparation; HF Trainer ≥ 4.46 fills them itself at ZeRO-3)",
+    versions_note=("accelerate's own DeepSpeed preparation; HF Trainer ≥ 4.46 fills them itself at ZeRO-3"),
     affects={"accelerate": ">=0.26.0"},
     fingerprint=Fingerprint("accelerate.accelerator",
                             r"(?s)\A(?!.*\btext_config\b).*Can find neither `model\.config\.hidden_size`",

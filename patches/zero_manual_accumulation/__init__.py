@@ -50,7 +50,9 @@ Cause
     opt-in: the default (``true``) keeps the behaviour above.
 
 Affected versions
-    Read from the released sdists and measured (2 ranks, fp32): ZeRO-1/2
+    Every DeepSpeed release, in one form or another (the gate is any version;
+    the patch reads the optimizer at run time).  Read from the released sdists
+    and measured (2 ranks, fp32): ZeRO-1/2
     without offload: correct up to 0.17.5 (0.14.1, 0.16.9 measured; 0.17.5
     read), ``TypeError`` 0.17.6 - 0.18.2 (0.17.6 and 0.18.2 read, 0.18.0 run
     from its sdist), silently wrong from 0.18.3 (read) through 0.19.8
@@ -258,8 +260,8 @@ PATCH = Patch(
     signatures=((r"TypeError: 'NoneType' object is not iterable", r"zip\(self\.all_grad_tensors\[i\], avg_new\)"),
                 r"zeroshim\[zero_manual_accumulation\]: engine\.backward\(\) (called again before engine\.step\(\)|"
                 r"at a micro-step marked as no accumulation boundary)"),
-    versions="DeepSpeed ≥ 0.17.6 (ZeRO-1/2; TypeError 0.17.6–0.18.2, silent from 0.18.3); with offload_optimizer "
-             "every release (error with the remedy)",
+    versions_note=("ZeRO-1/2: DeepSpeed ≥ 0.17.6, a TypeError in 0.17.6–0.18.2, silent from 0.18.3; with "
+                   "offload_optimizer every release, an error with the remedy"),
     affects={"deepspeed": ""},
     targets={"deepspeed.runtime.engine": patch_engine},
     on_undo=_reset,

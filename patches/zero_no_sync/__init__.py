@@ -110,7 +110,7 @@ PATCH = Patch(
     summary="engine.no_sync() under ZeRO-2/3 (Trainer 4.46.2–4.47.0, accelerate < 1.9 accumulate/no_sync, direct "
             "calls): \"no_sync context manager is incompatible with gradient partitioning logic\"",
     signatures=(r"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage",),
-    versions="DeepSpeed ≥ 0.16.0 (ZeRO-2/3; stage 0/1 untouched)",
+    versions_note="ZeRO-2/3; stage 0/1 untouched",
     affects={"deepspeed": ">=0.16.0"},
     fingerprint=Fingerprint("deepspeed.runtime.engine",
                             r"no_sync context manager is incompatible with gradient partitioning logic",
