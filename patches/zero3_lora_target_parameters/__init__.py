@@ -18,9 +18,7 @@ Cause
     (Built without ``zero.Init``, the parameters are partitioned later, by
     ``deepspeed.initialize``, and the wrapper trains: at run time DeepSpeed's
     parameter dictionary gathers a parameter read outside its module's
-    forward.  Measured: with the construction fixed, ZeRO-3 trains to the
-    same losses whether the model was built under ``zero.Init`` by this patch
-    or by peft 0.21's own fix, bit for bit.)
+    forward.)
 
 Affected versions
     peft ``>=0.17.0,<0.21.0``.  From the released sdists: 0.16.0 has no
@@ -51,6 +49,9 @@ Fix
 Undo
     ``zeroshim.unpatch("zero3_lora_target_parameters")`` restores the method
     (wrappers already built keep their correct shapes).
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_lora_target_parameters``.
 """
 
 from __future__ import annotations

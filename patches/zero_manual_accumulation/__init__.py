@@ -87,10 +87,7 @@ Fix
     reduction runs, and the copy is added to the new partition: ``step()``
     then sees the sum of every micro-batch since the last step, as DeepSpeed
     up to 0.17.5, stage 0, ZeRO-3 and DeepSpeed's own
-    ``set_gradient_accumulation_boundary`` loop give it (measured on 0.19.2
-    and 0.19.8: bit for bit equal to that loop at ZeRO-2 and to 0.19.8's
-    unmanaged mode; ZeRO-1, which reduces every backward instead of once, to
-    float32 rounding; the sum matches stage 0 to 1.5e-8).  Costs one copy of
+    ``set_gradient_accumulation_boundary`` loop give it.  Costs one copy of
     the rank's gradient partition while it is held.  One WARNING on global
     rank 0 the first time.  ``engine.zero_grad()`` between the backward calls
     does not discard the earlier ones (it did not up to 0.17.5 either).
@@ -113,6 +110,9 @@ Fix
 
 Undo
     ``zeroshim.unpatch("zero_manual_accumulation")`` restores the method.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero_manual_accumulation``.
 """
 
 from __future__ import annotations
