@@ -48,6 +48,54 @@ def test_docstring_has_every_section(name):
     assert not missing, f"{name}: docstring lacks {missing}"
 
 
+def _mentions(text: str, version: str) -> bool:
+    """``version`` ("0.19.4") appears in ``text`` as a whole version number; a wildcard ("5.1.*") as the
+    start of one ("5.1", "5.1.0")."""
+    head = version.removesuffix(".*")
+    tail = r"(?!\d)" if version.endswith(".*") else r"(?!\.?\d)"
+    return re.search(rf"(?<![\d.]){re.escape(head)}{tail}", text) is not None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_affected_versions_state_the_bounds_of_affects(name):
+    """A patch's range is written once, in ``affects``; the versions column (``Patch.versions``) is derived from
+    it, and the docstring's "Affected versions" must state the same bounds: each version of the specifier
+    appears there, and a package affected in every release is said to be ("every"/"any" and its name)."""
+    from zeroshim import _versions
+
+    patch = zeroshim.get_patch(name)
+    text = _docs.sections(patch.doc)["Affected versions"]
+    missing = []
+    for package, spec in patch.affects.items():
+        found = _versions.clauses(spec)
+        if not found:
+            shown = _versions.DISPLAY_NAMES.get(package, package)
+            if not (re.search(r"\b(every|any)\b", text, re.I) and re.search(re.escape(shown), text, re.I)):
+                missing.append(f"{package}: every release")
+        missing += [f"{package} {op}{version}" for op, version in found
+                    if not _mentions(text, version)]
+    assert not missing, f"{name}: the docstring's Affected versions does not state {missing} (affects={patch.affects})"
+    assert patch.versions == _versions.describe(patch.affects, patch.versions_note)
+
+
+def test_test_modules_name_only_bounds_of_affects():
+    """A test module's own range (``AFFECTED = ds_before("0.19.3") ...``, written from the tagged sources and
+    compared with the gate on the installed stack by tests/test_inert_gates.py) may only name versions that are
+    bounds of its patch's ``affects``: a bound moved in one place and not the other fails here, on any stack."""
+    from conftest import patch_of
+    from zeroshim import _versions
+
+    for path in sorted(TESTS.glob("test_*.py")):
+        name = patch_of(path.stem, NAMES)
+        line = re.search(r"^AFFECTED\s*=(.*)$", path.read_text(), re.M)
+        if name is None or line is None or "gate_verdict" in line.group(1):
+            continue
+        bounds = {v.removesuffix(".*") for spec in zeroshim.get_patch(name).affects.values()
+                  for _, v in _versions.clauses(spec)}
+        named = set(re.findall(r"\"(\d+(?:\.\d+)*)\"", line.group(1)))
+        assert named <= bounds, f"{path.name}: AFFECTED names {sorted(named - bounds)}, not bounds of {name}'s affects"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_its_test_file_uses_the_shared_judge(name):
     test = TESTS / f"test_{name}.py"

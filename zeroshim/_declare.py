@@ -46,14 +46,14 @@ class Patch:
     """The declaration of one patch (immutable once registered)."""
 
     __slots__ = ("name", "summary", "signatures", "affects", "targets", "on_undo", "doc", "needs", "bypass",
-                 "check_config", "coexists", "fingerprint", "optional", "versions", "changes", "on_disagreement")
+                 "check_config", "coexists", "fingerprint", "optional", "versions_note", "changes", "on_disagreement")
 
     def __init__(self, *, name: str, summary: str, signatures: "Tuple[str, ...]", affects: "Mapping[str, str]",
                  targets: "Mapping[str, ApplyFn]", on_undo: "Optional[Callable[[], None]]" = None, doc: str = "",
                  needs: "Optional[Mapping[str, str]]" = None, bypass: "Optional[Callable[[], Optional[str]]]" = None,
                  check_config: "Optional[Callable[[dict, object], list]]" = None,
                  coexists: "Optional[Mapping[str, str]]" = None, fingerprint: "Optional[object]" = None,
-                 optional: "Iterable[str]" = (), versions: str = "", changes: "Iterable[str]" = (),
+                 optional: "Iterable[str]" = (), versions_note: str = "", changes: "Iterable[str]" = (),
                  on_disagreement: str = "off"):
         #: stable name; the flag is ZEROSHIM_<NAME>
         self.name = name
@@ -63,9 +63,9 @@ class Patch:
         self.signatures = tuple(signatures)
         #: package -> PEP 440 specifier of the affected versions ("" = every version)
         self.affects = dict(affects)
-        #: the affected versions in words, for people (README table, doctor): "DeepSpeed 0.16.5 – 0.19.2";
-        #: ``affects`` and ``fingerprint`` are what decide
-        self.versions = versions or ", ".join(f"{k} {v or '(every release)'}" for k, v in self.affects.items())
+        #: what the range in words (:attr:`versions`) adds in parentheses where a specifier cannot say it (a ZeRO
+        #: stage, a backend, a part of the range that behaves otherwise); never the bounds themselves
+        self.versions_note = versions_note
         #: module name -> function(module, patcher) that patches it once imported
         self.targets = dict(targets)
         #: called after the recorded changes are undone (to reset the patch's own state)
@@ -106,6 +106,15 @@ class Patch:
         if on_disagreement not in DISAGREEMENT_RULES:
             raise ValueError(f"on_disagreement of {name}: {on_disagreement!r}; valid: {', '.join(DISAGREEMENT_RULES)}")
         self.on_disagreement = on_disagreement
+
+    @property
+    def versions(self) -> str:
+        """The affected versions in words, for people (README table, docs, doctor), derived from ``affects``
+        (:func:`zeroshim._versions.describe`): "DeepSpeed \u2265 0.16.5, < 0.19.3".  ``affects`` and
+        ``fingerprint`` are what decide."""
+        from ._versions import describe
+
+        return describe(self.affects, self.versions_note)
 
     @property
     def required(self) -> "Set[str]":

@@ -111,6 +111,45 @@ def base_version(version: str) -> "Version":
     return Version(Version(version).base_version)
 
 
+#: How a package is named for people (the versions column, doctor); others as they are spelt in ``affects``.
+DISPLAY_NAMES = {"deepspeed": "DeepSpeed"}
+_SYMBOLS = {">=": "\u2265", "<=": "\u2264", "!=": "\u2260", "==": "="}
+_CLAUSE = re.compile(r"^\s*(===|~=|==|!=|<=|>=|<|>)\s*(\S+?)\s*$")
+
+
+def clauses(spec: str) -> "list":
+    """A PEP 440 specifier's clauses as ``[(operator, version)]`` ("" -> [])."""
+    out = []
+    for part in spec.split(","):
+        if part.strip():
+            match = _CLAUSE.match(part)
+            if match is None:
+                raise ValueError(f"cannot read the version specifier {spec!r} (at {part!r})")
+            out.append((match.group(1), match.group(2)))
+    return out
+
+
+def describe(affects: "Dict[str, str]", note: str = "") -> str:
+    """A patch's affected versions in words, derived from its ``affects`` (the one place its range is written).
+
+    The rule: each package's specifier with its operators as symbols, so a range says exactly what the gate
+    decides and nothing it cannot know -- ``{"deepspeed": ">=0.17.2,<0.19.4"}`` is "DeepSpeed \u2265 0.17.2,
+    < 0.19.4" (the first release without the bug, never a guessed last release with it); "" is "every
+    DeepSpeed release"; packages are joined by "; ".  ``note`` (``Patch.versions_note``), in parentheses after
+    it, is for what a specifier cannot say (a ZeRO stage, a backend, a part of the range that behaves otherwise).
+    """
+    parts = []
+    for package, spec in affects.items():
+        name = DISPLAY_NAMES.get(package, package)
+        found = clauses(spec)
+        if not found:
+            parts.append(f"every {name} release")
+        else:
+            parts.append(f"{name} " + ", ".join(f"{_SYMBOLS.get(op, op)} {version}" for op, version in found))
+    text = "; ".join(parts) or "every release"
+    return f"{text} ({note})" if note else text
+
+
 def in_range(version: str, spec: str) -> "Optional[bool]":
     """Whether ``version`` is in the PEP 440 range ``spec`` (None if either
     cannot be read)."""

@@ -153,7 +153,6 @@ PATCH = Patch(
          r"Unsupported global: GLOBAL deepspeed\.(runtime\.fp16\.loss_scaler\.(Dynamic)?LossScaler|"
          r"runtime\.zero\.config\.ZeroStageEnum|utils\.tensor_fragment\.fragment_address)"),
     ),
-    versions="DeepSpeed < 0.16.0 with torch ≥ 2.6",
     affects={"deepspeed": "<0.16.0", "torch": ">=2.6"},
     targets={
         "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": patch_engine,

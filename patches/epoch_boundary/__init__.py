@@ -271,7 +271,7 @@ PATCH = Patch(
     summary="ZeRO-3: parameters left gathered and freed heap held into the next epoch (released at each epoch "
             "boundary)",
     signatures=(),
-    versions="every DeepSpeed release with ZeRO-3",
+    versions_note="with ZeRO-3",
     affects={"deepspeed": ""},
     targets={
         "deepspeed.runtime.engine": patch_deepspeed_engine,

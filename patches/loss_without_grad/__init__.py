@@ -166,7 +166,7 @@ PATCH = Patch(
     signatures=(r"loss must be a scalar tensor\. If you need to pass output gradients",
                 (r"element 0 of tensors does not require grad and does not have a grad_fn",
                  r"deepspeed[/\\]runtime[/\\]")),
-    versions="every DeepSpeed release (a clearer error only; runs that train are never touched)",
+    versions_note="a clearer error only; runs that train are never touched",
     affects={"deepspeed": ""},
     targets={"deepspeed.runtime.engine": patch_engine},
     on_undo=_reset,

@@ -98,10 +98,7 @@ Fix
       live ZeRO engine that reduces from hooks makes the call convert.  ZeRO-2
       and ZeRO-3 always reduce from hooks.
 
-    Tested against the run without zeroshim at ZeRO-1, -2 and -3 (DeepSpeed
-    0.19.2, 2 ranks): such runs end with losses and parameters bit for bit
-    equal, with a checkpointed function whose reentrant and non-reentrant
-    numbers differ.  The block is the module behind the checkpointed
+    The block is the module behind the checkpointed
     function (a module, its bound ``__call__``/``forward``, a
     ``functools.partial`` of those, as transformers passes); where it cannot
     be told (a lambda, a closure -- ``checkpoint_sequential``'s segments) the
@@ -181,6 +178,9 @@ Undo
     ``CheckpointFunction.apply`` (the inherited classmethod) and
     ``DeepSpeedEngine.__init__`` exactly (once no other patch needs engine
     tracking), and forgets the tracked engines.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``nonreentrant_checkpoint``.
 """
 
 from __future__ import annotations
@@ -595,7 +595,6 @@ PATCH = Patch(
         # 0.14.x: `self.params_in_ipg_bucket`; later releases: `params_in_bucket`
         r"assert len\(set\(p\.ds_id for p in (self\.)?params_in_(ipg_)?bucket\)\)",
     ),
-    versions="every DeepSpeed release (0.14.1–0.19.8 reproduced)",
     affects={"deepspeed": ""},
     targets={
         "torch.utils.checkpoint": patch_torch_checkpoint,

@@ -50,7 +50,6 @@ PATCH = Patch(
     name=NAME,
     summary="old DeepSpeed fails to import on numpy 2: cannot import name 'BUFSIZE' from 'numpy'",
     signatures=((r"cannot import name 'BUFSIZE' from 'numpy'", r"deepspeed[/\\]autotuning"),),
-    versions="DeepSpeed < 0.14.4 with numpy ≥ 2",
     affects={"deepspeed": "<0.14.4", "numpy": ">=2"},
     targets={"numpy": patch_numpy},
 )

@@ -150,7 +150,6 @@ PATCH = Patch(
         (r"Expected all tensors to be on the same device, but found at least two devices, (cuda:\d+|cpu) and "
          r"(cuda:\d+|cpu)", r"in unscale_and_clip_grads|mul_\(1\. / combined_scale\)"),
     ),
-    versions="DeepSpeed 0.14.1 – 0.14.2",
     affects={"deepspeed": ">=0.14.1,<0.14.3"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.stage3", r"torch\.norm\(torch\.stack\(norm_groups\)\)",
                             "ZeRO-3's global norm as a device tensor (torch.norm(torch.stack(norm_groups)), #5256)"),

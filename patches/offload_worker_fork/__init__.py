@@ -53,10 +53,7 @@ Fix
     library's ``ibv_fork_init``, a driver, the program's own ``madvise``);
     zeroshim neither marks nor unmarks them, and afterwards unmarks exactly
     what it marked.  Where smaps cannot be read (or has no ``VmFlags``, Linux
-    < 3.8) nothing is marked, and the reason is logged once at INFO.  The read
-    costs about 25 ms per worker start on a 2-core test machine (555
-    mappings, 1 GB of offloaded buffers); its cost grows with the process's
-    mappings and resident memory (the kernel walks them to write smaps).
+    < 3.8) nothing is marked, and the reason is logged once at INFO.
 
     Why this and not the alternatives (measured, numbers in RESULTS.md):
     persistent workers started before the optimizer state exists still copy
@@ -109,14 +106,7 @@ Fix
     accelerator): on CUDA such pages are marked and unmarked like any other;
     any ``MADV_DONTFORK`` a driver put on them is found in smaps and left as
     it is; a ``madvise`` the kernel refuses is counted (``madvise_errors``)
-    and that range is then not unmarked.  Run on an H200 (DeepSpeed 0.19.8,
-    torch 2.11.0+cu130, ZeRO-3 with both offloads pinned, a 50M-parameter MLP,
-    2 DataLoader workers re-forked each of 2 epochs; benchmarks/gpu_pinned_fork.py,
-    3 runs each way): the driver had marked none of DeepSpeed's pinned pages
-    ``dc``, zeroshim marked its 6 buffers (960 MiB) with no ``madvise``
-    refused, losses were identical, and the workers' PSS in epoch 2 (forked
-    after the optimizer state exists) was 937 MiB with zeroshim against
-    1512 MiB without.
+    and that range is then not unmarked.
 
     Not covered: ``persistent_workers=True`` loaders created before the engine
     (their workers already exist), and NVMe offload's swap buffers (small,
@@ -125,6 +115,9 @@ Fix
 Undo
     ``zeroshim.unpatch("offload_worker_fork")`` restores
     ``_MultiProcessingDataLoaderIter.__init__`` (and releases engine tracking).
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``offload_worker_fork``.
 """
 
 from __future__ import annotations
@@ -466,7 +459,7 @@ PATCH = Patch(
     summary="ZeRO offload + DataLoader workers: host memory grows each epoch, OOM early in epoch 2 (forked "
             "workers copy the offloaded optimizer state)",
     signatures=(),
-    versions="every DeepSpeed release (acts while a ZeRO engine with CPU-resident state is alive and workers are forked)",
+    versions_note="acts while a ZeRO engine with CPU-resident state is alive and workers are forked",
     affects={"deepspeed": ""},
     targets={
         "torch.utils.data.dataloader": patch_dataloader,

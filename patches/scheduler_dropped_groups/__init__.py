@@ -225,8 +225,8 @@ PATCH = Patch(
             "HF Trainer's no-decay group): ValueError: zip() argument 2 is longer than argument 1",
     signatures=((r"ValueError: zip\(\) argument 2 is longer than argument 1",
                  r"lr_scheduler\.py(\", line |:)\d+"),),
-    versions="every DeepSpeed release since 0.3.13 (0.19.8 still); the error with torch ≥ 2.10, HF Trainer up to "
-             "transformers 5.0.x, a user's own scheduler with any",
+    versions_note=("the error: torch ≥ 2.10, with HF Trainer up to transformers 5.0.x, with a user's own scheduler "
+                   "any"),
     affects={"deepspeed": ">=0.3.13"},
     fingerprint=Fingerprint("deepspeed.runtime.engine",
                             r"\.param_groups\[:\]\s*=\s*\[\s*pg for pg in \w+\.param_groups "

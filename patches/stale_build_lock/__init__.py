@@ -310,7 +310,7 @@ PATCH = Patch(
     summary="a run hangs for good at DeepSpeed's first JIT-built op (init_distributed, initialize): torch's "
             "build lock was left by a build that was killed",
     signatures=(),  # a hang prints nothing
-    versions="torch < 2.14 (JIT-built DeepSpeed ops, DS_BUILD_OPS=0); 2.14.0 locks with flock",
+    versions_note="JIT-built DeepSpeed ops, DS_BUILD_OPS=0; 2.14.0 locks with flock",
     affects={"torch": "<2.14"},
     fingerprint=Fingerprint("torch.utils.cpp_extension", r"FileBaton\(os\.path\.join\(build_directory",
                             "_jit_compile's lock file that only its removal releases (FileBaton; torch 2.14 "

@@ -111,7 +111,7 @@ PATCH = Patch(
     signatures=(
         r"cannot import name '(_get_socket_with_port|log)' from 'torch\.distributed\.elastic\.agent\.server\.api'",
     ),
-    versions="DeepSpeed < 0.14.4 (`log`: < 0.14.1)",
+    versions_note="`log`: DeepSpeed < 0.14.1 only",
     affects={"deepspeed": "<0.14.4"},
     targets={"torch.distributed.elastic.agent.server.api": patch_elastic_api},
 )

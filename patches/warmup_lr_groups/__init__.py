@@ -113,7 +113,6 @@ PATCH = Patch(
     summary="WarmupLR/WarmupDecayLR without warmup_max_lr on param groups with different learning rates: every "
             "group warms up to group 0's rate (silent)",
     signatures=(),
-    versions="DeepSpeed 0.17.2 – 0.19.3",
     affects={"deepspeed": ">=0.17.2,<0.19.4"},
     fingerprint=Fingerprint("deepspeed.runtime.lr_schedules",
                             r"warmup_max_lr = \[group\['lr'\] for group in self\.optimizer\.param_groups\]\[0\]",

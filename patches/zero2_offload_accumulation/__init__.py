@@ -51,16 +51,15 @@ Fix
     would add it again at the next step.  Numerics: the sum is the one the
     device formed; the step equals the same run without offload as far as
     the accumulation order allows (the tests compare it: bit for bit on the
-    CPU).  On a GPU (``--device cuda``: NCCL, the gradients on the GPU, the
-    buffer in host memory; 1 rank on an H100, DeepSpeed 0.16.9) the parameters after 3
-    steps at GA = 4 are 0.057 away from the run without offload without
-    zeroshim and 4.5e-08 with it (the two runs step AdamW on different
-    devices, so CUDA is compared within 1e-5).  One WARNING per job
+    CPU).  One WARNING per job
     the first time a sum is copied back (what, why, the flag): it changes the
     numbers the user's run trains on.
 
 Undo
     ``zeroshim.unpatch("zero2_offload_accumulation")`` restores the method.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero2_offload_accumulation``.
 """
 
 from __future__ import annotations
@@ -126,7 +125,6 @@ PATCH = Patch(
     summary="ZeRO-2 + offload_optimizer + gradient accumulation >= 3: micro-batches between the first and the last "
             "are silently dropped",
     signatures=(),  # silent: `zeroshim doctor --config` is how users find it
-    versions="DeepSpeed 0.15.2 – 0.18.x",
     affects={"deepspeed": ">=0.15.2,<0.19.0"},
     fingerprint=Fingerprint(
         "deepspeed.runtime.zero.stage_1_and_2",

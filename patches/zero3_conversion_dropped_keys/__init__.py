@@ -13,21 +13,9 @@ Symptom
       reverse (only the fused expert tensors MISSING, Qwen3-MoE on 5.0.0.dev0,
       fixed by #43524): not seen on the released 5.0.0 with the tiny Mixtral,
       whose fused expert tensors load right; Qwen3-MoE itself not measured.
-      Measured (2 ranks, gloo, tiny Mixtral saved with the legacy
-      ``block_sparse_moe.experts.N.w1/w2/w3`` keys, DeepSpeed 0.19.8): 17 of
-      21 parameters differ from the same checkpoint loaded
-      without ZeRO-3 (embeddings, attention, router, norms, ``lm_head``); the 4
-      fused expert tensors are right.  A checkpoint already saved in 5.x's fused
-      format loses all 21 of 21, as deepspeedai/DeepSpeed#7848 reports for
-      Qwen3-Next.
     * Qwen3.5 vision-language models (``Qwen3_5ForConditionalGeneration``),
       transformers 5.4.0 to 5.5.4: every ``model.language_model.*`` parameter
       (huggingface/transformers#45313, reported on 5.4.0 for Qwen3.5-9B/27B).
-      Measured (2 ranks, gloo, tiny Qwen3.5 with a 2-layer language model and a
-      1-block vision tower, saved under its own key names as the hub's
-      checkpoints are): 27 of 49 parameters differ (all of the language model;
-      the vision tower and ``lm_head`` are right) on 5.4.0, 5.5.0, 5.5.2 and
-      5.5.4; none on 5.6.0 and 5.23.0.
 
 Cause
     ``transformers.integrations.deepspeed._apply_weight_conversions_to_state_dict``
@@ -97,6 +85,9 @@ Fix
 
 Undo
     ``zeroshim.unpatch("zero3_conversion_dropped_keys")`` restores the function.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_conversion_dropped_keys``.
 """
 
 from __future__ import annotations
@@ -187,8 +178,8 @@ PATCH = Patch(
             "that needed no conversion; 5.4.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "
             "models): they load as MISSING and are re-initialised",
     signatures=(),  # silent apart from transformers' generic LOAD REPORT
-    versions="transformers 5.0.0 (MoE plain keys) and 5.4.0 to 5.5.4 (Qwen3.5 / Gemma3n language_model.*); "
-             "5.1.0 to 5.3.0 and >=5.6.0 keep them; 4.x has no weight conversion; every DeepSpeed",
+    versions_note=("5.0.0: MoE plain keys; 5.4.0 to 5.5.4: Qwen3.5 / Gemma3n language_model.*; 4.x has no weight "
+                   "conversion; every DeepSpeed"),
     affects={"transformers": ">=5.0.0,<5.6.0,!=5.1.*,!=5.2.*,!=5.3.*"},
     # no source fingerprint: the two forms live in two modules (5.0.0's loop in integrations/deepspeed.py, the
     # unscoped renaming in conversion_mapping.py), and one fingerprint decides over the version range

@@ -86,7 +86,6 @@ PATCH = Patch(
     summary="ZeRO-3 + peft modules_to_save (or any delegating wrapper module): \"'Linear' object has no attribute "
             "'ds_grads_remaining'\"",
     signatures=(r"object has no attribute 'ds_grads_remaining'",),
-    versions="DeepSpeed 0.16.5 – 0.19.2",
     affects={"deepspeed": ">=0.16.5,<0.19.3"},
     targets={"deepspeed.runtime.zero.parameter_offload": patch_parameter_offload},
 )

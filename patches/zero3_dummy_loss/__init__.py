@@ -88,11 +88,7 @@ Fix
     is not reduced: no rank can have used it without gathering it, which all
     ranks do together.  A gathered parameter that only the cut term reached
     reduces the zero gradient the term would have sent, since another rank
-    may reduce it.  Tested on 2 ranks: a weight of 0 on rank 0 and 1 on the
-    other, over gathered parameters, is unchanged bit for bit (the version
-    before cut it on rank 0 only, and gloo's reduce-scatter aborted rank 0);
-    a term mixing a placeholder with a parameter the other rank reduces
-    equals the same term without the placeholder.  A rank whose weight over
+    may reduce it.  A rank whose weight over
     a placeholder is not zero fails as upstream does, loudly.
 
     Not covered: a plain ``loss.backward()``, which DeepSpeed >= 0.18
@@ -104,6 +100,9 @@ Fix
 Undo
     ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``
     and ``DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads``.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_dummy_loss``.
 """
 
 from __future__ import annotations
@@ -376,7 +375,6 @@ PATCH = Patch(
          r"compatible with \[\d[\d, ]*\]|\[\d[\d, ]*\] but expected shape compatible with \[0\])", r"(?i)deepspeed"),
         r"\b0 != \d+ Cannot reduce scatter gradients whose size is not same as the params",
     ),
-    versions="every DeepSpeed release (0.14.1–0.19.8 reproduced)",
     affects={"deepspeed": ""},
     targets={
         "deepspeed.runtime.engine": patch_engine,

@@ -320,7 +320,6 @@ PATCH = Patch(
         (r"Recomputed values for the following tensors have different metadata than during the forward pass",
          r"recomputed metadata: \{'shape': torch\.Size\(\[0\]\)"),
     ),
-    versions="DeepSpeed < 0.19.3",
     affects={"deepspeed": "<0.19.3"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partitioned_param_coordinator", r"ds_recompute_parameters",
                             "the 0.19.3 fix's mark (ds_recompute_parameters, #8148)", bug_when="absent"),

@@ -16,11 +16,7 @@ Symptom
     after every optimizer step for its persistent parameters (with the
     default ``stage3_param_persistence_threshold`` every parameter under 1e5
     elements): a 30-step run of 24 Linear(64) + LayerNorm pairs ended at
-    another loss than the same run with nothing persistent in 1 of 3 runs.  Measured on this 2-core machine, DeepSpeed
-    0.16.9, 2 ranks: 30 of 600 gathers of 8 parameters read a wrong one, 96 of
-    100 consolidated state dicts were wrong, and the engine then trained to
-    other losses; in zeroshim's own CI one such load gave a loss of 1.6e34,
-    another a model that differed from the same load in the same process.
+    another loss than the same run with nothing persistent in 1 of 3 runs.
 
 Cause
     ``Init._allgather_params_coalesced`` (the blocking path of
@@ -53,25 +49,20 @@ Fix
     same all-gathers in the same order as before (the order of the
     parameters), so ranks need not agree on anything; only the overlap of
     one parameter's all-gather with the next is given up, on gloo.  One WARNING
-    per job, by the first rank that acts.  Measured (2 ranks, gloo, the
-    scenario above, DeepSpeed 0.14.1, 0.16.9 and 0.19.2): every gather and
-    every consolidated state dict read the parameters exactly, and the engine
-    then trained to the losses and shards of one that gathered nothing, bit
-    for bit.  Cost, on gloo only: the gathers of several parameters lose
-    their overlap -- 200 gathers of 32 parameters of 4096 floats took 4.0 -
-    4.4 s instead of 1.5 - 1.7 s (3 interleaved pairs, 2 ranks, 0.16.9).
+    per job, by the first rank that acts.  Cost, on gloo only: the gathers of several parameters lose their
+    overlap.
     Training steps take this path once per optimizer step where two or more
     parameters are persistent (``_post_step`` gathers them;
     ``stage3_param_persistence_threshold``, default 1e5 elements, makes
     every small parameter persistent); their prefetching gathers use
     ``all_gather_coalesced`` (one all-gather per bucket) and are not wrapped.
-    A training step of 24 Linear(64) + LayerNorm pairs (96 persistent
-    parameters) took 41 - 98 ms with and without zeroshim on the loaded
-    machine (3 interleaved pairs): no difference measurable there.
 
 Undo
     ``zeroshim.unpatch("zero3_gloo_gather")`` restores
     ``Init._allgather_params_coalesced``.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_gloo_gather``.
 """
 
 from __future__ import annotations
@@ -133,7 +124,7 @@ PATCH = Patch(
     summary="ZeRO-3 on gloo (CPU): GatheredParameters over several parameters, save_16bit_model and ZeRO-3 loads "
             "now and then read unwritten memory; with modifier_rank=0 the model itself changes, silently",
     signatures=(),
-    versions="DeepSpeed < 0.19.8 with a gloo process group (NCCL untouched)",
+    versions_note="with a gloo process group; NCCL untouched",
     affects={"deepspeed": "<0.19.8"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"launch_handles\[-1\]\.wait\(\)",
                             "the wait on the last all-gather handle only in _allgather_params_coalesced (#8539)"),

@@ -7,8 +7,7 @@ Symptom
     ``deepspeed.zero.Init``: nothing is partitioned at load time, so each rank
     materialises the whole model (a large model runs out of memory; a small
     one is partitioned later by ``deepspeed.initialize``, after the peak).
-    Measured (2 ranks, tiny Llama, transformers 5.23.0 and 4.57.6): 0 of 21
-    parameters partitioned; kept alive, 21 of 21.  LLaMA-Factory, axolotl,
+    LLaMA-Factory, axolotl,
     OpenRLHF and xtuner keep the object alive by hand for this reason.
 
 Cause
@@ -74,6 +73,9 @@ Undo
     ``zeroshim.unpatch("zero3_hf_config_weakref")`` restores ``__init__``,
     removes the ``__del__`` and puts a plain weak reference back (a config
     only zeroshim kept is then released, as without zeroshim).
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_hf_config_weakref``.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ PATCH = Patch(
     summary="HfDeepSpeedConfig dropped before from_pretrained (held by weak reference only): the model loads "
             "without zero.Init, every rank holds all of it",
     signatures=(),  # silent: nothing is printed
-    versions="transformers ≥ 4.33.0, every DeepSpeed (the weak reference dates from 4.6.0; 5.24.0 still has it)",
+    versions_note="every DeepSpeed; the weak reference dates from 4.6.0",
     affects={"transformers": ">=4.33.0"},
     fingerprint=Fingerprint("transformers.integrations.deepspeed",
                             r"_hf_deepspeed_config_weak_ref = weakref\.ref\(",

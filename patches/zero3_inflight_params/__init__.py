@@ -34,8 +34,6 @@ Affected versions
     and waits instead of raising in ``release_and_reset_all``; 0.16.9 has the
     same.  The raise in ``reset_step`` dates from 2022 (#1453); releases older
     than 0.14.1 were not run.  The raise's message is the source fingerprint.
-    Measured: 0.14.1 fails on every variant of the scenario; 0.16.9 trains
-    them all to the numbers of the same steps without prefetching.
 
 Flag
     ``ZEROSHIM_ZERO3_INFLIGHT_PARAMS=auto|on|off`` (default ``auto``).
@@ -50,17 +48,13 @@ Fix
     wait first for the gathers still in flight for ``module``'s parameters,
     which it then releases as usual.  An empty registry (every step that runs
     the modules of its trace) is left alone, so such runs are unchanged.  One
-    INFO line per job, by the first rank that acts.  Measured (2 ranks, gloo,
-    fp32, DeepSpeed 0.14.1): a model whose ``fc2`` runs on even steps only,
-    with the persistence threshold 0 and the default, an evaluation between
-    steps that skips ``fc2`` every other time, and ``empty_partition_cache``
-    between forward and backward, all train to the losses, evaluations and
-    parameter shards of the same steps without prefetching, bit for bit; a
-    model that runs every module on every step trains to the same numbers
-    with and without zeroshim, bit for bit.
+    INFO line per job, by the first rank that acts.
 
 Undo
     ``zeroshim.unpatch("zero3_inflight_params")`` restores the three methods.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_inflight_params``.
 """
 
 from __future__ import annotations
@@ -156,7 +150,6 @@ PATCH = Patch(
     summary="ZeRO-3 \"still have inflight params\" when the modules run change between steps (branches, towers, "
             "eval between steps): prefetched gathers of modules that did not run are never waited for",
     signatures=(r"RuntimeError: still have inflight params", r"RuntimeError: param \{'id': \d+.*\} still in flight"),
-    versions="DeepSpeed < 0.15.3",
     affects={"deepspeed": "<0.15.3"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partitioned_param_coordinator",
                             r"raise RuntimeError\(f\"still have inflight params",

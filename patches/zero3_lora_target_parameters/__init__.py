@@ -18,9 +18,7 @@ Cause
     (Built without ``zero.Init``, the parameters are partitioned later, by
     ``deepspeed.initialize``, and the wrapper trains: at run time DeepSpeed's
     parameter dictionary gathers a parameter read outside its module's
-    forward.  Measured: with the construction fixed, ZeRO-3 trains to the
-    same losses whether the model was built under ``zero.Init`` by this patch
-    or by peft 0.21's own fix, bit for bit.)
+    forward.)
 
 Affected versions
     peft ``>=0.17.0,<0.21.0``.  From the released sdists: 0.16.0 has no
@@ -51,6 +49,9 @@ Fix
 Undo
     ``zeroshim.unpatch("zero3_lora_target_parameters")`` restores the method
     (wrappers already built keep their correct shapes).
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_lora_target_parameters``.
 """
 
 from __future__ import annotations
@@ -115,7 +116,6 @@ PATCH = Patch(
     summary="peft LoRA target_parameters on a model built under ZeRO-3 (zero.Init): IndexError: tuple index "
             "out of range in ParamWrapper",
     signatures=((r"IndexError: tuple index out of range", r"param\.shape\[1\], param\.shape\[0\]"),),
-    versions="every DeepSpeed release, with peft 0.17.0 – 0.20.0 (fixed in peft 0.21.0)",
     affects={"peft": ">=0.17.0,<0.21.0", "deepspeed": ""},
     fingerprint=Fingerprint("peft.tuners.lora.layer", r"1, param\.shape\[1\], param\.shape\[0\]",
                             "ParamWrapper reading the targeted parameter's partitioned shape "

@@ -35,9 +35,7 @@ Affected versions
     0.16.9, 0.19.0 and 0.19.1 cast the module with ``module.bfloat16()`` in
     ``_configure_distributed_model``, 0.19.2 skips the cast for ZeRO-Init
     models (``_cast_module_mixed_precision``).  The source fingerprint is the
-    line ``dtype=param_list[0].ds_tensor.dtype``.  Measured on 2 CPU ranks
-    (gloo): the scenario fails on 0.19.2 and trains on 0.14.1, 0.16.9 and
-    0.19.8 without zeroshim.  The quantized-weights variant (the scale
+    line ``dtype=param_list[0].ds_tensor.dtype``.  The quantized-weights variant (the scale
     buffers, #8128) is not covered.
 
 Flag
@@ -53,9 +51,7 @@ Fix
     the same list and splits it the same way, so the collectives still
     match.  A gather is a copy, so the values are those of an unsplit
     gather; lists of one dtype, async gathers and unaffected versions are
-    untouched.  One INFO line per job, by the first rank that acts.  Measured (2
-    ranks, gloo, DeepSpeed 0.19.2, the scenario): with zeroshim the run
-    equals, bit for bit, the same training with no persistent parameters.
+    untouched.  One INFO line per job, by the first rank that acts.
     It is independent of patch ``zero3_gloo_gather`` (which, on gloo,
     gathers inside ``_allgather_params_coalesced`` one parameter at a time
     and so also avoids the mixed buffer there, but not on NCCL).
@@ -63,6 +59,9 @@ Fix
 Undo
     ``zeroshim.unpatch("zero3_mixed_dtype_gather")`` restores
     ``Init._all_gather``.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_mixed_dtype_gather``.
 """
 
 from __future__ import annotations
@@ -126,7 +125,7 @@ PATCH = Patch(
             "the same type as input tensor at the first optimizer step",
     signatures=((r"output tensor must have the same type as input tensor", r"_allgather_params_coalesced"),
                 (r"ProcessGroupGloo::allgather: invalid tensor type", r"_allgather_params_coalesced")),
-    versions="DeepSpeed < 0.19.3 (reached through peft LoRA on 0.19.2, fixed in 0.19.3)",
+    versions_note="reached through peft LoRA on 0.19.2",
     affects={"deepspeed": "<0.19.3"},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"dtype=param_list\[0\]\.ds_tensor\.dtype",
                             "the first parameter's dtype for every buffer of _allgather_params_coalesced (#8073)"),

@@ -256,7 +256,7 @@ PATCH = Patch(
     # A hang prints nothing; the trace check's "disagreement between rank0 and rank1" names no module, and
     # any module run on some ranks only raises it, so explain would blame this patch without evidence.
     signatures=(),
-    versions="every DeepSpeed release (0.18+: DeepSpeed's own defaults cover Mixtral/Qwen2/3-MoE only)",
+    versions_note="0.18+: DeepSpeed's own defaults cover Mixtral/Qwen2/3-MoE only",
     affects={"deepspeed": ""},
     targets={"deepspeed.runtime.engine": patch_engine},
 )

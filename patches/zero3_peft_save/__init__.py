@@ -493,8 +493,8 @@ PATCH = Patch(
         (r"stage3_gather_16bit_weights_on_model_save=false\. Saving the full checkpoint instead",
          r"adapter_model\.safetensors|adapter_config\.json|trainable params: "),
     ),
-    versions="HF Trainer: transformers < 5.0.0; custom loops (save_pretrained, get_peft_model_state_dict): every "
-             "peft (0.21 only warns), any DeepSpeed with ZeRO-3",
+    versions_note=("with ZeRO-3; HF Trainer: transformers < 5.0.0; custom loops, save_pretrained and "
+                   "get_peft_model_state_dict: every peft, 0.21 only warns"),
     affects={"peft": "", "deepspeed": ""},
     targets={"peft.utils.save_and_load": patch_save_and_load, "peft.peft_model": patch_peft_model,
              "transformers.trainer": patch_trainer},

@@ -68,13 +68,13 @@ Fix
     models with a top-level hidden size and configs without a text
     hidden size are left alone (accelerate's own behaviour, error
     included).  One INFO line per job (it acts only where accelerate would fail) (the values, why,
-    the flag).  Measured (2 ranks, ZeRO-3, a tiny LLaVA): training equals the
-    same config with the three numbers written by hand, bit for bit; a text
-    model with ``hidden_size`` trains to the same numbers with and without
-    zeroshim.
+    the flag).
 
 Undo
     ``zeroshim.unpatch("zero_auto_hidden_size")`` restores ``Accelerator._prepare_deepspeed``.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero_auto_hidden_size``.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ PATCH = Patch(
     summary="accelerator.prepare with \"auto\" ZeRO bucket sizes on a multimodal model (hidden size only in "
             "text_config): \"Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`\"",
     signatures=(r"Can find neither `model\.config\.hidden_size` nor `model\.config\.hidden_sizes`",),
-    versions="accelerate ≥ 0.26.0 (accelerate's own DeepSpeed preparation; HF Trainer ≥ 4.46 fills them itself at ZeRO-3)",
+    versions_note=("accelerate's own DeepSpeed preparation; HF Trainer ≥ 4.46 fills them itself at ZeRO-3"),
     affects={"accelerate": ">=0.26.0"},
     fingerprint=Fingerprint("accelerate.accelerator",
                             r"(?s)\A(?!.*\btext_config\b).*Can find neither `model\.config\.hidden_size`",

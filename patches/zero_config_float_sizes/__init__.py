@@ -191,7 +191,7 @@ PATCH = Patch(
             "\"Input should be a valid integer, got a number with a fractional part\"",
     signatures=((r"Input should be a valid integer, got a number with a fractional part",
                  r"validation errors? for DeepSpeedZeroConfig"),),
-    versions="DeepSpeed ≥ 0.15.0 (pydantic v2 configs)",
+    versions_note="pydantic v2 configs",
     affects={"deepspeed": ">=0.15.0"},
     fingerprint=Fingerprint("deepspeed.runtime.config_utils", r"(?m)^from pydantic import [^\n]*\bBaseModel\b",
                             "DeepSpeed's config models on pydantic v2 (from pydantic import BaseModel)"),

@@ -50,7 +50,9 @@ Cause
     opt-in: the default (``true``) keeps the behaviour above.
 
 Affected versions
-    Read from the released sdists and measured (2 ranks, fp32): ZeRO-1/2
+    Every DeepSpeed release, in one form or another (the gate is any version;
+    the patch reads the optimizer at run time).  Read from the released sdists
+    and measured (2 ranks, fp32): ZeRO-1/2
     without offload: correct up to 0.17.5 (0.14.1, 0.16.9 measured; 0.17.5
     read), ``TypeError`` 0.17.6 - 0.18.2 (0.17.6 and 0.18.2 read, 0.18.0 run
     from its sdist), silently wrong from 0.18.3 (read) through 0.19.8
@@ -85,10 +87,7 @@ Fix
     reduction runs, and the copy is added to the new partition: ``step()``
     then sees the sum of every micro-batch since the last step, as DeepSpeed
     up to 0.17.5, stage 0, ZeRO-3 and DeepSpeed's own
-    ``set_gradient_accumulation_boundary`` loop give it (measured on 0.19.2
-    and 0.19.8: bit for bit equal to that loop at ZeRO-2 and to 0.19.8's
-    unmanaged mode; ZeRO-1, which reduces every backward instead of once, to
-    float32 rounding; the sum matches stage 0 to 1.5e-8).  Costs one copy of
+    ``set_gradient_accumulation_boundary`` loop give it.  Costs one copy of
     the rank's gradient partition while it is held.  One WARNING on global
     rank 0 the first time.  ``engine.zero_grad()`` between the backward calls
     does not discard the earlier ones (it did not up to 0.17.5 either).
@@ -111,6 +110,9 @@ Fix
 
 Undo
     ``zeroshim.unpatch("zero_manual_accumulation")`` restores the method.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero_manual_accumulation``.
 """
 
 from __future__ import annotations
@@ -258,8 +260,8 @@ PATCH = Patch(
     signatures=((r"TypeError: 'NoneType' object is not iterable", r"zip\(self\.all_grad_tensors\[i\], avg_new\)"),
                 r"zeroshim\[zero_manual_accumulation\]: engine\.backward\(\) (called again before engine\.step\(\)|"
                 r"at a micro-step marked as no accumulation boundary)"),
-    versions="DeepSpeed ≥ 0.17.6 (ZeRO-1/2; TypeError 0.17.6–0.18.2, silent from 0.18.3); with offload_optimizer "
-             "every release (error with the remedy)",
+    versions_note=("ZeRO-1/2: DeepSpeed ≥ 0.17.6, a TypeError in 0.17.6–0.18.2, silent from 0.18.3; with "
+                   "offload_optimizer every release, an error with the remedy"),
     affects={"deepspeed": ""},
     targets={"deepspeed.runtime.engine": patch_engine},
     on_undo=_reset,

@@ -48,15 +48,15 @@ Fix
     inside runs exactly as without the context (the behaviour every caller
     had before 0.16.0); one INFO line per job (it acts only where DeepSpeed would assert) (what,
     why, the flag).  Stage 0/1 engines get DeepSpeed's own ``no_sync``
-    untouched.  Measured (2 ranks, gradient accumulation 2 and 4, ZeRO-2 and
-    ZeRO-3): a loop calling ``with engine.no_sync(): engine.backward(loss)``
-    for the non-boundary micro-steps trains to the losses and parameters of
-    the same loop without ``no_sync``, bit for bit.  The null context does
+    untouched.  The null context does
     not enforce DeepSpeed's other ``no_sync`` rules (no ``engine.step()``
     inside, no nesting): under ZeRO-2/3 neither has anything to protect.
 
 Undo
     ``zeroshim.unpatch("zero_no_sync")`` restores ``DeepSpeedEngine.no_sync``.
+
+Evidence
+    benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero_no_sync``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ PATCH = Patch(
     summary="engine.no_sync() under ZeRO-2/3 (Trainer 4.46.2–4.47.0, accelerate < 1.9 accumulate/no_sync, direct "
             "calls): \"no_sync context manager is incompatible with gradient partitioning logic\"",
     signatures=(r"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage",),
-    versions="DeepSpeed ≥ 0.16.0 (ZeRO-2/3; stage 0/1 untouched)",
+    versions_note="ZeRO-2/3; stage 0/1 untouched",
     affects={"deepspeed": ">=0.16.0"},
     fingerprint=Fingerprint("deepspeed.runtime.engine",
                             r"no_sync context manager is incompatible with gradient partitioning logic",
