@@ -249,9 +249,8 @@ def ci(session):
     """CI: the sessions of CI_SESSIONS, as `nox -s <each>` one after another would run them, with every install
     done ahead: one install (`nox --install-only`: pip, DeepSpeed's comm op) at a time, in order, beside the tests of
     the sessions before it (at niceness CI_INSTALL_NICE), and each session's tests (`nox -R`) as soon as its own
-    install is done.  An install waits
-    mostly on the disk and the network, the tests on the CPU; run one after the other, the installs were about a
-    quarter of CI's time (issue #43).  An install's output goes to .ci-timings/install-<session>.log, printed when it
+    install is done.  Run one after the other, the installs were about a quarter of CI's time (issue #43); beside the
+    tests they compete for the CPU (pip's unpacking), hence the niceness (benchmarks/RESULTS.md §16).  An install's output goes to .ci-timings/install-<session>.log, printed when it
     fails; phases' times go to .ci-timings/ci.jsonl for .ci/timings.py."""
     os.makedirs(TIMINGS, exist_ok=True)
     record = os.path.join(TIMINGS, "ci.jsonl")

@@ -179,6 +179,28 @@ def test_agreement_costs_each_rank_a_few_store_operations_whatever_the_world_siz
             _agree.exchange(counting, world, 0, limit=5, where="a test")
 
 
+def test_a_post_tried_again_after_a_store_error_counts_the_rank_once(store, monkeypatch):
+    """A store error half-way through a rank's post: the next check finishes it without counting the rank twice,
+    so rank 0's digest cannot reach the world size while rank 1 differs."""
+    mine = report(zero3_generate_sync=(True, "acts", "stop"))
+    monkeypatch.setattr(_agree, "decisions", lambda: mine)
+    failing = CountingStore(store)
+    real_add, calls = store.add, []
+
+    def add_failing_once(key, amount):
+        calls.append(key)
+        if key.endswith("posted") and len([k for k in calls if k.endswith("posted")]) == 1:
+            raise RuntimeError("store unavailable")
+        return real_add(key, amount)
+    failing.add = add_failing_once
+    with pytest.raises(RuntimeError, match="store unavailable"):
+        _agree.exchange(failing, 2, 0, limit=1, where="a test")
+    _agree.post(store, 2, 1, report(zero3_generate_sync=(False, "disabled: ZEROSHIM_ZERO3_GENERATE_SYNC=off", "stop")))
+    with pytest.raises(_agree.RanksDisagree, match="not on rank 1"):
+        _agree.exchange(failing, 2, 0, limit=5, where="a test")
+    assert int(store.add(_agree.KEY + "digest/" + _agree.digest(mine), 0)) == 1
+
+
 def test_the_digest_is_the_set_of_acting_patches():
     a = report(x=(True, "acts", "off"), y=(False, "skipped: old", "off"))
     b = report(y=(False, "disabled: flag", "stop"), x=(True, "acts", "off"), z=(False, "unknown", "off"))

@@ -58,6 +58,7 @@ _lock = threading.RLock()
 _patcher = Patcher(PATCH_NAME)
 _installed: list = []
 _posted: dict = {}      # store identity -> this rank's report (posted once per store)
+_posting: dict = {}     # store identity -> (the report being posted, the steps of post() done)
 _settled: dict = {}     # store identity -> the resolution every rank took
 #: introspection and tests
 stats = {"checks": 0, "disagreements": 0, "waited_s": 0.0}
@@ -200,9 +201,9 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
             return _settled[ident]
         stats["checks"] += 1
         if ident not in _posted:
-            mine = decisions()
-            post(store, world, rank, mine)
-            _posted[ident] = mine  # only once it is in the store: a failed post is tried again at the next check
+            mine = _posting.setdefault(ident, (decisions(), set()))[0]
+            post(store, world, rank, mine, _posting[ident][1])
+            _posted[ident] = mine  # only once it is in the store: a failed post goes on at the next check
         at_stake = any(entry[0] for entry in _posted[ident]["patches"].values())
         if not _wait_for_all(store, world, rank, limit if at_stake else min(limit, IDLE_WAIT_S), where, at_stake):
             return []  # nothing at stake here, and some rank never said: go on
@@ -226,15 +227,26 @@ def digest(report: dict) -> str:
     return hashlib.sha1("\n".join(acting).encode()).hexdigest()[:20]
 
 
-def post(store, world: int, rank: int, report: dict) -> None:
+def post(store, world: int, rank: int, report: dict, done: "set | None" = None) -> None:
     """Post ``rank``'s report: its key, then one more rank with its digest, then one more rank that posted (the
-    rank that completes the count also sets the key the others wait on)."""
+    rank that completes the count also sets the key the others wait on).  ``done`` records the steps that
+    succeeded, so that a post tried again after a store error never counts this rank twice (a digest counted
+    twice could reach the world size while another rank differs)."""
     import json
 
-    store.set(f"{KEY}{rank}", json.dumps(report))
-    store.add(f"{KEY}digest/{digest(report)}", 1)
-    if store.add(f"{KEY}posted", 1) >= world:
+    done = set() if done is None else done
+    if "report" not in done:
+        store.set(f"{KEY}{rank}", json.dumps(report))
+        done.add("report")
+    if "digest" not in done:
+        store.add(f"{KEY}digest/{digest(report)}", 1)
+        done.add("digest")
+    if "posted" not in done:
+        done.add("complete" if store.add(f"{KEY}posted", 1) >= world else "counted")
+        done.add("posted")
+    if "complete" in done and "all" not in done:
         store.set(f"{KEY}all", "1")
+        done.add("all")
 
 
 def _count(store, key: str) -> int:
@@ -357,4 +369,5 @@ def forget() -> None:
     """Tests: forget this process's posts and resolutions (a new job in the same process)."""
     with _lock:
         _posted.clear()
+        _posting.clear()
         _settled.clear()
