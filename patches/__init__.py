@@ -40,4 +40,5 @@ PATCH_MODULES = (
     "loss_without_grad",
     "stale_build_lock",
     "warmup_lr_groups",
+    "zero3_trace_rehook",
 )
