@@ -41,4 +41,5 @@ PATCH_MODULES = (
     "stale_build_lock",
     "warmup_lr_groups",
     "zero3_trace_rehook",
+    "trainer_max_grad_norm",
 )

@@ -1,0 +1,117 @@
+"""Give DeepSpeed the HF Trainer's ``max_grad_norm`` when the DeepSpeed config has no ``gradient_clipping`` key.
+
+Symptom
+    Nothing fails.  A run with the HF Trainer (or anything built on it: TRL,
+    LLaMA-Factory, axolotl) and a DeepSpeed config without a
+    ``gradient_clipping`` key clips at DeepSpeed's default instead of
+    ``max_grad_norm``: not at all before DeepSpeed 0.19.3, at 1.0 from 0.19.3,
+    whatever the user set (``max_grad_norm=0.1`` in an RL recipe, or 0 to turn
+    clipping off).  The Trainer does not clip by itself under DeepSpeed, and
+    the logged ``grad_norm`` is the norm before clipping, so nothing shows it
+    (deepspeedai/DeepSpeed#7220, #6743, huggingface/accelerate#3807,
+    EleutherAI/gpt-neox#1432).
+
+Cause
+    transformers passes the TrainingArguments to DeepSpeed by filling the
+    config's keys that are set to ``"auto"``
+    (``HfTrainerDeepSpeedConfig.trainer_config_process``:
+    ``fill_match("gradient_clipping", args.max_grad_norm)``); a key that is
+    absent is neither filled nor reported as a mismatch, so DeepSpeed uses its
+    own default (``GRADIENT_CLIPPING_DEFAULT``: 0 before 0.19.3, 1.0 from
+    0.19.3, deepspeedai/DeepSpeed#8068).
+
+Affected versions
+    Every transformers with ``HfTrainerDeepSpeedConfig`` (read in 4.49.0 and
+    5.23.0: the same ``fill_match`` line) and every DeepSpeed; what an
+    unpatched run does instead depends on DeepSpeed's default, read from its
+    ``runtime/constants.py``.
+
+Flag
+    ``ZEROSHIM_TRAINER_MAX_GRAD_NORM=auto|on|off`` (default ``auto``).
+
+Fix
+    ``trainer_config_process`` is wrapped: where the config has no
+    ``gradient_clipping`` key and ``max_grad_norm`` differs from the installed
+    DeepSpeed's default, the key is set to ``"auto"`` before transformers
+    fills the config, so transformers writes ``max_grad_norm`` into it as it
+    does for a config that says ``"auto"``.  A config that has the key, and a
+    ``max_grad_norm`` equal to DeepSpeed's default, are left alone.  When it
+    acts it changes the run's numbers (gradients clipped at ``max_grad_norm``,
+    as the Trainer does without DeepSpeed): one WARNING per job, with both
+    values.  To keep DeepSpeed's default, write it in the config or set
+    ``max_grad_norm`` to it.
+
+Undo
+    ``zeroshim.unpatch("trainer_max_grad_norm")`` restores
+    ``trainer_config_process``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from zeroshim import _log
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require_attr, require_params
+
+NAME = "trainer_max_grad_norm"
+#: acted: DeepSpeed configs given max_grad_norm as gradient_clipping
+stats = {"acted": 0}
+_DEFAULT = re.compile(r"^GRADIENT_CLIPPING_DEFAULT\s*=\s*([0-9.eE+-]+)\s*$", re.M)
+
+
+def deepspeed_default() -> "float | None":
+    """DeepSpeed's ``GRADIENT_CLIPPING_DEFAULT``, read from the installed source without importing DeepSpeed;
+    None where it cannot be read (then the patch does not act)."""
+    from zeroshim._source import module_file
+
+    path = module_file("deepspeed.runtime.constants")
+    try:
+        with open(path, encoding="utf-8") as fh:  # type: ignore[arg-type]
+            match = _DEFAULT.search(fh.read())
+        return float(match.group(1)) if match else None
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def _process(wrapped, instance, args, kwargs):
+    """Wraps ``HfTrainerDeepSpeedConfig.trainer_config_process(args, ...)``."""
+    with guard(NAME):
+        training_args = args[0] if args else kwargs.get("args")
+        config = getattr(instance, "config", None)
+        if is_active(NAME) and isinstance(config, dict) and "gradient_clipping" not in config:
+            norm = getattr(training_args, "max_grad_norm", None)
+            default = deepspeed_default()
+            if isinstance(norm, (int, float)) and not isinstance(norm, bool) and default is not None \
+                    and float(norm) != default:
+                config["gradient_clipping"] = "auto"
+                stats["acted"] += 1
+                _log.acted(NAME, "clipping gradients at max_grad_norm=%s: the DeepSpeed config has no "
+                                 "gradient_clipping key, so DeepSpeed would use its default %s",
+                           "transformers fills only keys set to \"auto\"; write \"gradient_clipping\" in the config "
+                           "to choose", norm, default)
+    return wrapped(*args, **kwargs)
+
+
+def patch_integration(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "HfTrainerDeepSpeedConfig")
+    require_params(cls.trainer_config_process, "args")
+    require_attr(cls, "fill_match")
+    patcher.wrap(cls, "trainer_config_process", _process)
+
+
+def _reset() -> None:
+    stats["acted"] = 0
+
+
+PATCH = Patch(
+    changes=("numbers",),
+    name=NAME,
+    summary="HF Trainer with a DeepSpeed config without gradient_clipping: max_grad_norm is ignored, DeepSpeed "
+            "clips at its own default (0 before 0.19.3, 1.0 from 0.19.3) (silent)",
+    signatures=(),  # silent
+    affects={"transformers": "", "deepspeed": ""},
+    versions_note="with the HF Trainer",
+    targets={"transformers.integrations.deepspeed": patch_integration},
+    on_undo=_reset,
+)
