@@ -69,12 +69,13 @@ MATRIX = {
     "ds0.16.9": ["deepspeed==0.16.9", "transformers==4.49.*", "peft==0.14.*", "accelerate==1.15.0"],
     "ds0.19.2": ["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"],
     "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
-    # light: only transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form (see LIGHT)
+    # light: only transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form, and only 5.0-5.2
+    # zero3_from_config_init (see LIGHT)
     "tf5.0.0": ["deepspeed==0.19.8", "transformers==5.0.0", "accelerate==1.15.0"],
 }
 # Light environments (issue #43 item 5): a stack that only the named patches' bugs need, where no full environment
 # shows them; they run only those patches' test files (tests/test_<name>*.py), on TORCH_DEFAULT.
-LIGHT = {"tf5.0.0": ("zero3_conversion_dropped_keys",)}
+LIGHT = {"tf5.0.0": ("zero3_conversion_dropped_keys", "zero3_from_config_init")}
 # torch is an axis of the matrix (issue #46): the newest DeepSpeed on the newest torch, 0.19.2 (inside
 # the ranges of the most invasive patches, transformers 4.57 checkpointing reentrantly by default) on
 # the torch before it, the older releases on 2.13.0.  Each torch release thus runs the whole suite with

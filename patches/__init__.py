@@ -42,4 +42,5 @@ PATCH_MODULES = (
     "warmup_lr_groups",
     "zero3_trace_rehook",
     "trainer_max_grad_norm",
+    "zero3_from_config_init",
 )

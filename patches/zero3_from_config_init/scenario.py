@@ -1,0 +1,71 @@
+"""Scenario for patch ``zero3_from_config_init``: ``AutoModelForCausalLM.from_config`` of a tiny Llama (2 layers,
+width 32, vocabulary 64, untied embeddings), seed 0, with and without a ZeRO-3 ``HfDeepSpeedConfig``, 2 ranks.
+
+Runs, in one process per rank:
+
+* ``reference``: no DeepSpeed config: the model's own ``_init_weights`` (embeddings and linear layers N(0, 0.02));
+* ``without``: under ZeRO-3, no zeroshim (transformers 5.0-5.2: torch's default initialisation);
+* ``with``: under ZeRO-3 with zeroshim: initialised as the reference (the same ``_init_weights``; the random draws
+  are not the reference's, since building under ``zero.Init`` ran torch's default initialisation first and drew
+  from the generator);
+* ``plain/with``: no DeepSpeed config, with zeroshim: equal to the reference (the patch does not act).
+
+Each run records, per parameter, a SHA-256 and the standard deviation of the full tensor (gathered under ZeRO-3).
+"""
+
+import hashlib
+
+import torch
+
+from common import attempt, begin, enable_zeroshim, end, import_deepspeed
+
+deepspeed = import_deepspeed()
+ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def build(zero3: bool) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(dict(ZERO3)) if zero3 else None  # noqa: F841  (a weak reference is all HF keeps)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    params = dict(model.named_parameters())
+    partitioned = any(hasattr(p, "ds_id") for p in params.values())
+    out = {"partitioned": partitioned, "sha": {}, "std": {}}
+    with deepspeed.zero.GatheredParameters(list(params.values())) if partitioned else _nothing():
+        for name, p in params.items():
+            out["sha"][name] = hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+            out["std"][name] = p.detach().float().std().item()
+        out["embed_std"] = params["model.embed_tokens.weight"].std().item()
+        out["q_std"] = params["model.layers.0.self_attn.q_proj.weight"].std().item()
+    del keep
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main():
+    out, results = begin()
+    results["reference"] = attempt(build, False)
+    results["without"] = attempt(build, True)
+
+    zeroshim = enable_zeroshim()
+
+    results["status"] = zeroshim.status()["zero3_from_config_init"].as_dict()
+    results["with"] = attempt(build, True)
+    results["plain/with"] = attempt(build, False)
+    results["stats"] = dict(zeroshim.stats("zero3_from_config_init"))
+    end(out, results)
+
+
+if __name__ == "__main__":
+    main()
