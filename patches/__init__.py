@@ -43,4 +43,5 @@ PATCH_MODULES = (
     "zero3_trace_rehook",
     "trainer_max_grad_norm",
     "zero3_from_config_init",
+    "zero3_unwrapped_model",
 )
