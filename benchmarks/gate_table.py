@@ -168,6 +168,21 @@ REQUIREMENTS = {
         ("attr", PPC, "PartitionedParameterCoordinator._invalidate_trace"),
         ("attr", PPC, "PartitionedParameterCoordinator.release_and_reset_all"),
     ],
+    "trainer_max_grad_norm": [],  # transformers' HfTrainerDeepSpeedConfig: no DeepSpeed target
+    "zero3_trace_rehook": [
+        ("attr", "deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload"),
+        ("attr", "deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.get_param_coordinator"),
+        # the one of _register_deepspeed_module / _register_hooks_recursively the release has
+        ("source", "deepspeed.runtime.zero.parameter_offload",
+         r"def _register_(deepspeed_module|hooks_recursively)\(self, module",
+         "DeepSpeedZeRoOffload's hook registration"),
+        ("attr", PPC, "PartitionedParameterCoordinator._clear_trace_structures"),
+        ("attr", PPC, "PartitionedParameterCoordinator._invalidate_trace"),
+        ("attr", PPC, "PartitionedParameterCoordinator.is_invalid_trace"),
+        ("attr", PPC, "PartitionedParameterCoordinator.record_parameters"),
+    ],
+    "zero3_from_config_init": [],  # transformers' PreTrainedModel: no DeepSpeed target
+    "zero3_unwrapped_model": [],  # transformers' PreTrainedModel: no DeepSpeed target
 }
 
 
