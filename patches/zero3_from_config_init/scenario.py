@@ -13,6 +13,7 @@ Runs, in one process per rank:
 Each run records, per parameter, a SHA-256 and the standard deviation of the full tensor (gathered under ZeRO-3).
 """
 
+import contextlib
 import hashlib
 
 import torch
@@ -35,7 +36,8 @@ def build(zero3: bool) -> dict:
     params = dict(model.named_parameters())
     partitioned = any(hasattr(p, "ds_id") for p in params.values())
     out = {"partitioned": partitioned, "sha": {}, "std": {}}
-    with deepspeed.zero.GatheredParameters(list(params.values())) if partitioned else _nothing():
+    with deepspeed.zero.GatheredParameters(list(params.values())) if partitioned else \
+            contextlib.nullcontext():
         for name, p in params.items():
             out["sha"][name] = hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
             out["std"][name] = p.detach().float().std().item()
@@ -43,14 +45,6 @@ def build(zero3: bool) -> dict:
         out["q_std"] = params["model.layers.0.self_attn.q_proj.weight"].std().item()
     del keep
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main():
