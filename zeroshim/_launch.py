@@ -244,8 +244,6 @@ def run_ranks(cmd: list, nproc: int, port: int, *, env: dict, timeout: float, lo
     about 3.3 s of wall and CPU time before the ranks start (measured on the 2-core CI machine).  As torchrun's
     agent, when a rank fails the others are stopped, and the launch exits 1; all ranks exiting 0 is 0; past
     ``timeout`` every rank and its children are killed and the code is -1.  ``(returncode, log)``."""
-    import signal
-
     procs = []
     with open(log_path, "w") as log:
         try:
@@ -253,32 +251,7 @@ def run_ranks(cmd: list, nproc: int, port: int, *, env: dict, timeout: float, lo
                 procs.append(subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), stdout=log,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
-            deadline, failed_at, code = time.monotonic() + timeout, None, 0
-            while True:
-                codes = [p.poll() for p in procs]
-                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad and failed_at is None:
-                    failed_at, code = time.monotonic(), 1
-                    log.write(f"[launch] rank {bad[0][0]} exited {bad[0][1]}; stopping the other ranks\n")
-                    log.flush()
-                    for p in procs:
-                        if p.poll() is None:
-                            try:
-                                os.killpg(p.pid, signal.SIGTERM)
-                            except (ProcessLookupError, PermissionError):
-                                pass
-                if None not in codes:
-                    break
-                now = time.monotonic()
-                if now > deadline or (failed_at is not None and now > failed_at + STOP_GRACE_S):
-                    code = -1 if now > deadline else code
-                    for p in procs:
-                        if p.poll() is None:
-                            _kill_tree(p)
-                    for p in procs:
-                        p.wait()
-                    break
-                time.sleep(0.05)
+            code = supervise(procs, timeout, log)
         finally:
             for p in procs:  # an interrupt while waiting: take the ranks down too
                 if p.poll() is None:
@@ -286,6 +259,41 @@ def run_ranks(cmd: list, nproc: int, port: int, *, env: dict, timeout: float, lo
                     p.wait()
     with open(log_path, errors="replace") as fh:
         return code, fh.read()
+
+
+def supervise(procs: list, timeout: float, log) -> int:
+    """Wait for the ranks ``procs`` (``subprocess.Popen`` or :class:`_Forked`: ``pid``, ``poll()``, ``wait()``) as
+    torchrun's agent does: when one fails the others are stopped (SIGTERM, then killed after
+    :data:`STOP_GRACE_S`) and the code is 1; all exiting 0 is 0; past ``timeout`` every rank and its children are
+    killed and the code is -1.  ``log``: a file the stop is written to."""
+    import signal
+
+    deadline, failed_at, code = time.monotonic() + timeout, None, 0
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad and failed_at is None:
+            failed_at, code = time.monotonic(), 1
+            log.write(f"[launch] rank {bad[0][0]} exited {bad[0][1]}; stopping the other ranks\n")
+            log.flush()
+            for p in procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGTERM)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        if None not in codes:
+            return code
+        now = time.monotonic()
+        if now > deadline or (failed_at is not None and now > failed_at + STOP_GRACE_S):
+            code = -1 if now > deadline else code
+            for p in procs:
+                if p.poll() is None:
+                    _kill_tree(p)
+            for p in procs:
+                p.wait()
+            return code
+        time.sleep(0.05)
 
 
 def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = None,
@@ -301,8 +309,11 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))
     started = time.time()
+    server = _prefork_server(target, nproc, env, args, launcher, out)
     with master_port() as port:
-        if launcher is None and not env.get("ZSLAUNCH_TORCHRUN"):
+        if server is not None:
+            code, log = _forked_launch(server, target, nproc, port, env, args, out, timeout)
+        elif launcher is None and not env.get("ZSLAUNCH_TORCHRUN"):
             code, log = run_ranks([sys.executable, "-u", scenario(target), "--out", out, *args], nproc, port,
                                   env=env, timeout=timeout, log_path=os.path.join(out, "log.txt"))
         else:  # under torchrun itself (a wrapping launcher, or ZSLAUNCH_TORCHRUN=1 in the environment)
@@ -328,5 +339,51 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
             pass
     ready = [t for t in ready if isinstance(t, (int, float))]
     # start-up: from the launch to the last rank done importing torch and DeepSpeed (None where unknown)
-    timing = {"wall": round(wall, 2), "startup": round(max(ready) - started, 2) if ready else None}
+    timing = {"wall": round(wall, 2), "startup": round(max(ready) - started, 2) if ready else None,
+              "forked": server is not None}
     return {"returncode": code, "log": log, "ranks": ranks, "timing": timing}
+
+
+def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str):
+    """The pre-fork server this launch's ranks are forked from (``zeroshim/_prefork.py``), or None: pre-forked
+    launches are off, the caller chose the launcher or an environment that differs from the standard one in more
+    than zeroshim's flags, the scenario must start fresh, or the server could not start (said in the launch's
+    folder, ``out/prefork.txt``)."""
+    from . import _prefork
+
+    if not _prefork.enabled() or launcher is not None or env.get("ZSLAUNCH_TORCHRUN"):
+        return None
+    standard = clean_env(device_of(args))
+    standard.setdefault("LOCAL_SIZE", str(nproc))
+    differ = sorted(k for k in set(env) | set(standard)
+                    if env.get(k) != standard.get(k) and k not in _prefork.VOLATILE)
+    why = None
+    if any(not k.startswith("ZEROSHIM_") for k in differ):
+        why = f"its environment is not the standard one ({', '.join(differ[:6])})"
+    elif differ and _prefork.server_imports_zeroshim():
+        why = f"zeroshim flags ({', '.join(differ[:6])}), and the server imports zeroshim (DeepSpeed < 0.14.4)"
+    else:
+        why = _prefork.fork_refusal(scenario(target), list(args))
+    server = None if why else _prefork.server_for(standard, os.path.dirname(os.path.abspath(out)))
+    if server is not None and not server.alive():
+        why, server = f"its pre-fork server is not in use: {server.why_not}", None
+    if why:
+        with open(os.path.join(out, "prefork.txt"), "w") as fh:
+            fh.write(f"fresh interpreters: {why}\n")
+    return server
+
+
+def _forked_launch(server, target: str, nproc: int, port: int, env: dict, args, out: str, timeout: float):
+    """Run the launch's ranks forked from ``server``; ``(returncode, log)`` as :func:`run_ranks`."""
+    from . import _prefork
+
+    log_path = os.path.join(out, "log.txt")
+    open(log_path, "w").close()
+    envs = [{**rank_env(env, rank, nproc, port), _prefork.FORKED: "1"} for rank in range(nproc)]
+    code = server.launch(scenario(target), ["--out", out, *args], envs, log_path, timeout)
+    if code is None:  # the server failed (not the launch): say so, as a failed launch
+        code = 1
+        with open(log_path, "a") as fh:
+            fh.write(f"[launch] the pre-fork server failed: {server.why_not}\n")
+    with open(log_path, errors="replace") as fh:
+        return code, fh.read()

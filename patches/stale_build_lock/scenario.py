@@ -37,6 +37,10 @@ import torch.distributed as dist
 
 from common import describe, enable_zeroshim, end, import_deepspeed, versions
 
+#: ranks start as fresh interpreters, never forked from a pre-fork server (zeroshim/_prefork.py): what is proven
+#: here is a process's first build of the op under a lock left in its folder
+LAUNCH_FRESH = "a build lock: each rank's first build of the op, in a process of its own"
+
 import_deepspeed()
 
 def _op() -> str:

@@ -45,7 +45,9 @@ def import_deepspeed(fix_gloo_gathers: bool = False):
     keep = list(IMPORT_COMPAT_PATCHES) if Version(version("deepspeed")) < Version("0.14.4") else []
     if fix_gloo_gathers:
         keep.append(GATHER_FIX)
-    if "zeroshim" not in sys.modules and keep:
+    # a rank forked from a pre-fork server (zeroshim/_prefork.py) finds zeroshim imported there, restricted to
+    # the import-compat patches where DeepSpeed needs them: it sets the restriction a fresh rank would
+    if keep and ("zeroshim" not in sys.modules or os.environ.get("ZSLAUNCH_FORKED") == "1"):
         import zeroshim
 
         zeroshim.configure(only=keep)
