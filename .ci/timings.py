@@ -57,14 +57,15 @@ def account(folder: str, top: int = 15) -> str:
     if not sessions and not launches:
         lines.append(f"no timings under {folder}")
         return "\n".join(lines)
-    by_env = collections.defaultdict(lambda: [0, 0.0, 0.0])  # launches, wall, start-up
-    by_patch = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    by_env = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])  # launches, wall, start-up, forked
+    by_patch = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])
     for record in launches:
         wall, startup = float(record.get("wall") or 0), float(record.get("startup") or 0)
         for table, key in ((by_env, record.get("env") or "?"), (by_patch, patch_of(record))):
             table[key][0] += 1
             table[key][1] += wall
             table[key][2] += startup
+            table[key][3] += bool(record.get("forked"))
     phases = {}
     for record in read_lines(os.path.join(folder, "ci.jsonl")):
         phases[record.get("session")] = record  # `nox -s ci`: the last run of each session
@@ -79,20 +80,21 @@ def account(folder: str, top: int = 15) -> str:
                              f"{float(record.get('waited_for_install') or 0):4.0f} s)  tests "
                              f"{float(record.get('test') or 0):6.0f} s")
     lines.append("per environment (the session's wall time: its tests, or install and tests where the session ran "
-                 "whole; its scenario launches):")
+                 "whole; its scenario launches, and how many were forked from a pre-fork server):")
     for name, record in sorted(sessions.items(), key=lambda kv: -float(kv[1].get("seconds") or 0)):
         env = record.get("env")
-        count, wall, startup = by_env.get(env, [0, 0.0, 0.0])
+        count, wall, startup, forked = by_env.get(env, [0, 0.0, 0.0, 0])
         lines.append(f"  {name:<26} {record.get('torch') or '':<14} {float(record.get('seconds') or 0):7.0f} s;"
-                     f" {count:4d} launches, {wall:6.0f} s, of which start-up {startup:6.0f} s")
+                     f" {count:4d} launches ({forked} forked), {wall:6.0f} s, of which start-up {startup:6.0f} s")
     lines.append("per patch (every environment):")
-    for name, (count, wall, startup) in sorted(by_patch.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"  {name:<32} {count:4d} launches {wall:7.0f} s (start-up {startup:6.0f} s)")
+    for name, (count, wall, startup, forked) in sorted(by_patch.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {name:<32} {count:4d} launches ({forked:3d} forked) {wall:7.0f} s (start-up {startup:6.0f} s)")
     lines.append(f"the {top} slowest launches:")
     for record in sorted(launches, key=lambda r: -float(r.get("wall") or 0))[:top]:
         startup = record.get("startup")
         startup = f"{float(startup):5.1f} s" if isinstance(startup, (int, float)) else "    ? "
-        lines.append(f"  {float(record.get('wall') or 0):6.1f} s (start-up {startup})"
+        forked = ", forked" if record.get("forked") else ""
+        lines.append(f"  {float(record.get('wall') or 0):6.1f} s (start-up {startup}{forked})"
                      f"  {record.get('env')}  {record.get('target')} x{record.get('nproc')}  {record.get('test')}")
     lines.append(f"all launches: {len(launches)}, {sum(v[1] for v in by_env.values()):.0f} s, of which start-up "
                  f"{sum(v[2] for v in by_env.values()):.0f} s")

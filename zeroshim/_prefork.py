@@ -44,7 +44,7 @@ FLAG = "ZSLAUNCH_PREFORK"
 #: set in a forked rank's environment: ``import_deepspeed`` applies its restriction of zeroshim there
 FORKED = "ZSLAUNCH_FORKED"
 #: variables that change from launch to launch without changing what the imports do (the ranks get them)
-VOLATILE = ("PYTEST_CURRENT_TEST",)
+VOLATILE = ("PYTEST_CURRENT_TEST", FLAG)
 #: how long the server may take to import torch and DeepSpeed (ten times the slowest seen, 27 s)
 START_TIMEOUT_S = 300.0
 
@@ -112,8 +112,10 @@ def fork_refusal(script: str, argv: list) -> "str | None":
             continue
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue  # the docstring
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(getattr(node, "value", None), ast.Constant):
-            continue  # a constant
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if (isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(getattr(node, "value", None), ast.Constant)
+                and all(isinstance(t, ast.Name) for t in targets)):
+            continue  # a module constant
         return f"line {node.lineno} runs before its import_deepspeed() call"
     return "it does not call import_deepspeed() at module level"
 

@@ -1,0 +1,59 @@
+"""Scenario of tests/test_prefork.py: what a rank sees of its own process, and a few ZeRO-3 steps.
+
+``--mode train``: records the process (pid, parent, session), its arguments, ``sys.path[0]``, its rank's
+variables, whether an earlier launch's change to the ``torch`` module shows, and the losses of 3 ZeRO-3 steps
+of a tiny model; sets an attribute on the ``torch`` module (a later launch forked from the same server must not see
+it).  ``--mode fail``: rank 1 exits 3 after the process group is up, rank 0 waits in a barrier.  ``--mode hang``:
+every rank sleeps."""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from common import ds_config, end, import_deepspeed, init_distributed, train_small, write_results
+
+deepspeed = import_deepspeed()
+LEAK = getattr(torch, "_zs_probe_leak", None)  # set by an earlier launch's ranks: never seen in this one
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.b(self.a(x)).float().pow(2).mean()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", default="train")
+    args = parser.parse_args()
+    rank, _ = init_distributed()
+    results = {"pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
+               "argv": sys.argv[1:], "path0": sys.path[0], "leak": LEAK,
+               "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
+                                                      "ZEROSHIM_LOG_LEVEL", "ZSLAUNCH_FORKED")}}
+    if args.mode == "fail":
+        write_results(args.out, results)
+        if rank == 1:
+            sys.exit(3)
+        torch.distributed.barrier()  # never completes: rank 1 is gone
+    if args.mode == "hang":
+        write_results(args.out, results)
+        time.sleep(3600)
+    torch.manual_seed(0)
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=ds_config(3, micro_batch=2, stage3_param_persistence_threshold=0))
+    results["losses"] = train_small(engine, 3)
+    torch._zs_probe_leak = rank
+    end(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Ranks forked from a pre-fork server (zeroshim/_prefork.py, issue #43 item 3): which launches may be forked
+(read from each script), and what a forked launch is: the same ranks, numbers and failures as fresh
+interpreters, each launch in processes of its own."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from zeroshim import _launch, _prefork
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefork", "probe.py")
+# a launch's ranks forked where DeepSpeed imports alone (0.19.8), and where the server imports zeroshim's
+# import-compat patches first (0.14.1)
+ENVS = ("ds0.14.1", "ds0.19.8")
+ENVS_REASON = "the newest stack, and the oldest, whose DeepSpeed imports only with zeroshim's import-compat patches"
+
+
+def refusal(tmp_path, body: str, argv=()):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(body))
+    return _prefork.fork_refusal(str(script), list(argv))
+
+
+def test_a_script_that_imports_deepspeed_first_is_forked(tmp_path):
+    assert refusal(tmp_path, '''
+        """doc"""
+        import sys
+        import torch
+        from common import import_deepspeed
+        WIDTH = 8
+        deepspeed = import_deepspeed(fix_gloo_gathers=True)
+        print("anything after")
+    ''') is None
+
+
+@pytest.mark.parametrize("body, argv, expected", [
+    ("import zeroshim\nfrom common import import_deepspeed\nimport_deepspeed()\n", (), "imports zeroshim before"),
+    ("import sys\nif '--zeroshim' in sys.argv:\n    import zeroshim\nfrom common import import_deepspeed\n"
+     "import_deepspeed()\n", ("--zeroshim",), "imports zeroshim before torch for these arguments"),
+    ("import os\nif os.environ.get('X'):\n    import zeroshim\nfrom common import import_deepspeed\n"
+     "import_deepspeed()\n", (), "a test not read here"),
+    ("import os\nos.environ['X'] = '1'\nfrom common import import_deepspeed\nimport_deepspeed()\n", (),
+     "line 2 runs before"),
+    ("from common import init_distributed\n", (), "does not call import_deepspeed"),
+    ("from common import import_deepspeed\nLAUNCH_FRESH = 'a lock'\nimport_deepspeed()\n", (), "LAUNCH_FRESH: a lock"),
+])
+def test_a_script_that_does_more_first_starts_fresh(tmp_path, body, argv, expected):
+    assert expected in refusal(tmp_path, body, argv)
+
+
+def test_the_argv_test_is_read_for_each_launch(tmp_path):
+    body = ("import sys\nif 'with' in sys.argv or 'both' in sys.argv:\n    import zeroshim\n"
+            "from common import import_deepspeed\nimport_deepspeed()\n")
+    assert refusal(tmp_path, body, ["--mode", "without"]) is None
+    assert refusal(tmp_path, body, ["--mode", "with"]) is not None
+    assert refusal(tmp_path, body, ["both"]) is not None
+
+
+def test_the_shipped_scenarios_that_start_fresh_say_why():
+    """The isolation cases of issue #43 item 3 keep fresh interpreters: the import-time patches' scenarios (they
+    import DeepSpeed their own way), the build lock (declared), the arms that import zeroshim before torch."""
+    def why(target, *argv):
+        return _prefork.fork_refusal(_launch.scenario(target), list(argv))
+
+    assert "import_deepspeed" in why("torch_elastic_compat") or "runs before" in why("torch_elastic_compat")
+    assert why("numpy2_compat") is not None
+    assert "LAUNCH_FRESH" in why("stale_build_lock", "--mode", "stale")
+    assert why("zero3_generate_sync", "--mode", "with") is not None
+    assert why("zero3_generate_sync", "--mode", "without") is None
+    assert why("nonreentrant_checkpoint/scenario_trainer.py", "--zeroshim") is not None
+    assert why("zero3_dummy_loss") is None
+
+
+def test_a_server_that_cannot_import_says_why(tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "torch.py").write_text("raise ImportError('no torch here')\n")
+    env = _launch.clean_env("cpu", PYTHONPATH=str(fake))
+    server = _prefork.Server(env, str(tmp_path / "server.log"))
+    assert not server.alive()
+    assert "importing torch and DeepSpeed failed: ImportError: no torch here" in server.why_not
+
+
+def launch(tmp_path, name, *args, prefork=True, env=None, nproc=2, timeout=600):
+    os.environ[_prefork.FLAG] = "1" if prefork else "0"
+    try:
+        return _launch.launch(PROBE, nproc, str(tmp_path / name), *args, env=env, timeout=timeout)
+    finally:
+        os.environ.pop(_prefork.FLAG, None)
+
+
+@pytest.mark.deepspeed
+def test_forked_ranks_train_as_fresh_ones_bit_for_bit(tmp_path):
+    fresh = launch(tmp_path, "fresh", prefork=False)
+    first = launch(tmp_path, "first")
+    second = launch(tmp_path, "second")
+    assert [r["timing"]["forked"] for r in (fresh, first, second)] == [False, True, True]
+    for result in (fresh, first, second):
+        assert result["returncode"] == 0, result["log"][-3000:]
+    for rank in range(2):
+        seen = [r["ranks"][rank] for r in (fresh, first, second)]
+        assert seen[0]["losses"] == seen[1]["losses"] == seen[2]["losses"]
+        for s in seen:
+            assert s["session_leader"] and s["path0"] == os.path.dirname(PROBE)
+            assert s["env"]["RANK"] == str(rank) and s["env"]["WORLD_SIZE"] == "2"
+            assert s["argv"][0] == "--out"
+            assert s["leak"] is None  # nothing of the first launch's ranks shows in the second's
+        # the two forked launches came from one server, which is neither a rank nor the test's process
+        assert seen[1]["ppid"] == seen[2]["ppid"] != os.getpid()
+        assert seen[1]["env"]["ZSLAUNCH_FORKED"] == "1" and seen[0]["env"]["ZSLAUNCH_FORKED"] is None
+    assert fresh["ranks"][0]["ppid"] == os.getpid()
+
+
+@pytest.mark.deepspeed
+def test_zeroshim_flags_reach_forked_ranks_or_start_them_fresh(tmp_path):
+    result = launch(tmp_path, "flags", env={**_launch.clean_env("cpu"), "ZEROSHIM_LOG_LEVEL": "INFO",
+                                            "LOCAL_SIZE": "2"})
+    assert result["returncode"] == 0, result["log"][-3000:]
+    assert [r["env"]["ZEROSHIM_LOG_LEVEL"] for r in result["ranks"]] == ["INFO", "INFO"]
+    # where the server imported zeroshim (DeepSpeed < 0.14.4) it read no flag: such a launch starts fresh
+    assert result["timing"]["forked"] is not _prefork.server_imports_zeroshim()
+    other = launch(tmp_path, "other", env={**_launch.clean_env("cpu"), "SOMETHING_ELSE": "1", "LOCAL_SIZE": "2"})
+    assert other["returncode"] == 0 and other["timing"]["forked"] is False
+    said = (tmp_path / "other" / "prefork.txt").read_text()
+    assert "its environment is not the standard one (SOMETHING_ELSE)" in said
+
+
+@pytest.mark.deepspeed
+def test_a_failing_rank_stops_the_forked_launch_as_a_fresh_one(tmp_path):
+    for prefork in (False, True):
+        result = launch(tmp_path, f"fail{prefork}", "--mode", "fail", prefork=prefork, timeout=120)
+        assert result["timing"]["forked"] is prefork
+        assert result["returncode"] == 1, result["log"][-3000:]
+        assert "[launch] rank 1 exited 3; stopping the other ranks" in result["log"]
+        for rank in result["ranks"]:
+            assert not _alive(rank["pid"])
+
+
+@pytest.mark.deepspeed
+def test_a_hung_forked_launch_is_killed_at_its_bound_and_the_server_serves_on(tmp_path):
+    result = launch(tmp_path, "hang", "--mode", "hang", timeout=20)
+    assert result["timing"]["forked"] and result["returncode"] == -1
+    assert 20 <= result["timing"]["wall"] < 60
+    for rank in result["ranks"]:
+        assert not _alive(rank["pid"])
+    after = launch(tmp_path, "after")
+    assert after["returncode"] == 0 and after["timing"]["forked"]
+    assert after["ranks"][0]["ppid"] == result["ranks"][0]["ppid"]  # the same server
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
