@@ -30,8 +30,8 @@ Per patch and release:
   are listed by hand in ``REQUIREMENTS`` below (module-level names bound
   inside ``if``/``try`` blocks are not seen: they read as missing, a ``T`` to
   confirm by hand) (read from
-  ``patches/<name>/__init__.py``); the script refuses to run when a patch, or
-  one of its DeepSpeed target modules, has no entry there.  Targets outside
+  ``patches/<name>/__init__.py``); the script refuses to run when a patch with a DeepSpeed
+  target, or one of its DeepSpeed target modules, has no entry there (a patch without one needs none).  Targets outside
   DeepSpeed (torch, numpy, transformers, peft) do not vary with the release and
   are not checked.
 
@@ -183,6 +183,7 @@ REQUIREMENTS = {
     ],
     "zero3_from_config_init": [],  # transformers' PreTrainedModel: no DeepSpeed target
     "zero3_unwrapped_model": [],  # transformers' PreTrainedModel: no DeepSpeed target
+    "zero_optimizer_defaults": [("attr", "deepspeed.runtime.base_optimizer", "DeepSpeedOptimizer")],
 }
 
 
@@ -408,6 +409,8 @@ def releases_in(folder: str):
 
 def validate(patches) -> None:
     for name in PATCH_MODULES:
+        if name not in REQUIREMENTS and not any(m.startswith("deepspeed") for m in patches[name].targets):
+            REQUIREMENTS[name] = []  # no DeepSpeed target: nothing of the release to read
         if name not in REQUIREMENTS:
             sys.exit(f"gate_table.py: no REQUIREMENTS for patch {name}: read its patch_* functions and add them")
         declared = {r[1] for r in REQUIREMENTS[name] if r[0] != "mark"}

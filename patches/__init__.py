@@ -44,4 +44,5 @@ PATCH_MODULES = (
     "trainer_max_grad_norm",
     "zero3_from_config_init",
     "zero3_unwrapped_model",
+    "zero_optimizer_defaults",
 )

@@ -109,6 +109,28 @@ def placement(patch, env: str, one_rank: bool, pins: dict, gate: "tuple | None" 
     return None
 
 
+def pins_hold(patch, pins: dict) -> "bool | None":
+    """:func:`range_holds` for one environment's pins as noxfile.py writes them, where ``5.23.*`` stands for any
+    5.23 release: decided where the first and a late release of the series agree, else None."""
+    def expand(last: str) -> dict:
+        return {k: (v[:-1] + last if isinstance(v, str) and v.endswith(".*") else v) for k, v in pins.items()}
+
+    low, high = range_holds(patch, expand("0")), range_holds(patch, expand("9999"))
+    return low if low == high else None
+
+
+def light_patches(patches, full: dict, verdict=None) -> list:
+    """The patches whose tests a light environment runs (noxfile.py ``LIGHT``, issue #43 item 5): those whose gate
+    says affected on this environment's stack (``verdict``: zeroshim's gate verdict, versions and fingerprint) and
+    whose range holds in no full environment of the matrix (``full``: environment -> pins), so that no other
+    environment proves them.  Derived, never listed: a new patch whose bug only such a stack shows is taken up."""
+    from zeroshim._core import gate_verdict
+
+    verdict = verdict or gate_verdict
+    return sorted(p.name for p in patches
+                  if verdict(p)[0] and all(pins_hold(p, pins) is False for pins in full.values()))
+
+
 def newest_affected(patch, pins: dict) -> "str | None":
     """The newest full environment whose exact pins fall in every range of the patch's ``affects`` (None where
     a pin is not exact, or none does): where its 1-rank variants run when the newest stack is outside."""

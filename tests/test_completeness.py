@@ -212,11 +212,22 @@ def test_the_newest_environment_holds_the_newest_stack():
     assert held == _versions.NEWEST_TESTED, (NEWEST_ENV, held)
 
 
-def test_light_environments_name_registered_patches():
-    """A light environment (noxfile.py LIGHT) exists for the named patches' proofs and runs only their tests."""
-    light, matrix = _noxfile_literal("LIGHT"), _noxfile_literal("MATRIX")
-    for env, names in light.items():
-        assert env in matrix, env
-        assert set(names) <= set(NAMES), (env, names)
-        for name in names:
-            assert (TESTS / f"test_{name}.py").exists(), name
+def test_light_environments_prove_what_no_full_environment_shows():
+    """A light environment (noxfile.py LIGHT) runs the tests of the patches no full environment shows: derived
+    (tests/conftest.py light_patches), here with every gate taken as affected on the light stack."""
+    from conftest import light_patches, pins_hold
+
+    light, matrix, torch_of = (_noxfile_literal(k) for k in ("LIGHT", "MATRIX", "TORCH_OF"))
+    full = {}
+    for env, specs in matrix.items():
+        if env not in light:
+            full[env] = {spec.partition("==")[0]: spec.partition("==")[2] for spec in specs if "==" in spec}
+            full[env]["torch"] = torch_of.get(env, _noxfile_literal("TORCH_DEFAULT")).partition("==")[2]
+    assert light and all(env in matrix for env in light), light
+    patches = [zeroshim.get_patch(name) for name in NAMES]
+    chosen = light_patches(patches, full, verdict=lambda patch: (True, "taken as affected"))
+    assert {"zero3_conversion_dropped_keys", "zero3_from_config_init"} <= set(chosen), chosen
+    for name in ("nonreentrant_checkpoint", "zero3_unwrapped_model", "trainer_max_grad_norm"):
+        assert name not in chosen and any(pins_hold(zeroshim.get_patch(name), pins) for pins in full.values())
+    for name in chosen:
+        assert (TESTS / f"test_{name}.py").exists(), name

@@ -185,6 +185,7 @@ def _rank(request: dict, rank: int, channel: int) -> None:
     code = 1
     try:
         os.setsid()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter (the server ignores it)
         os.close(channel)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
         os.dup2(log, 1)
