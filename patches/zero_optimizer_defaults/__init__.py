@@ -21,8 +21,8 @@ Affected versions
     0.17.6, 0.19.1 and 0.19.8: neither it nor its subclasses define ``defaults``; the fingerprint reads that
     file).  0.9.5 to 0.14.0 have the same gap in ``deepspeed/runtime/__init__.py`` and are not patched (they do
     not run on this project's CPU machines).  The Trainer path: transformers >= 5.1 (its ``Trainer`` creates
-    the scheduler after ``prepare`` from 5.1.0; 4.57.6 creates it inside ``deepspeed_init``, on its own
-    optimizer).
+    the scheduler after ``prepare`` from 5.1.0; 4.57.6 and 5.0.0 create it inside ``deepspeed_init``, on
+    its own optimizer).
 
 Flag
     ``ZEROSHIM_ZERO_OPTIMIZER_DEFAULTS=auto|on|off`` (default ``auto``).
