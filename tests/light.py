@@ -1,5 +1,6 @@
-"""Print the patches a light environment proves (``tests/conftest.py`` ``light_patches``), as JSON after ``light patches: ``: noxfile.py runs
-their test files there.  Run with the environment's interpreter and ``ZSTEST_MATRIX`` (the full environments' pins)."""
+"""Print the patches a light environment proves (``tests/conftest.py`` ``light_patches``), as JSON after
+``light patches: ``: noxfile.py runs their test files there.  Run with the environment's interpreter and
+``ZSTEST_MATRIX`` (the full environments' pins)."""
 
 import json
 import os

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from harness import ds_before
 from zeroshim import _launch, _prefork
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefork", "probe.py")
@@ -119,8 +120,9 @@ def test_zeroshim_flags_reach_forked_ranks_or_start_them_fresh(tmp_path):
                                             "LOCAL_SIZE": "2"})
     assert result["returncode"] == 0, result["log"][-3000:]
     assert [r["env"]["ZEROSHIM_LOG_LEVEL"] for r in result["ranks"]] == ["INFO", "INFO"]
-    # where the server imported zeroshim (DeepSpeed < 0.14.4) it read no flag: such a launch starts fresh
-    assert result["timing"]["forked"] is not _prefork.server_imports_zeroshim()
+    # where the server imported zeroshim (DeepSpeed < 0.14.4 imports only with its import-compat patches) it read no
+    # flag: such a launch starts fresh
+    assert result["timing"]["forked"] is not ds_before("0.14.4")
     other = launch(tmp_path, "other", env={**_launch.clean_env("cpu"), "SOMETHING_ELSE": "1", "LOCAL_SIZE": "2"})
     assert other["returncode"] == 0 and other["timing"]["forked"] is False
     said = (tmp_path / "other" / "prefork.txt").read_text()

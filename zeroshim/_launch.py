@@ -65,11 +65,20 @@ def timeout_of(target: str) -> float:
             tree = ast.parse(fh.read())
     except (OSError, SyntaxError, FileNotFoundError):
         return DEFAULT_TIMEOUT_S
+    value = module_constant(tree, "LAUNCH_TIMEOUT_S")
+    return float(value) if isinstance(value, (int, float)) else DEFAULT_TIMEOUT_S
+
+
+def module_constant(tree, name: str):
+    """The constant a parsed script assigns to ``name`` at module level (``NAME = <literal>``), else None: what a
+    scenario declares for its launcher (``LAUNCH_TIMEOUT_S``, ``LAUNCH_FRESH``), read without importing it."""
+    import ast
+
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LAUNCH_TIMEOUT_S" for t in node.targets)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float))):
-            return float(node.value.value)
-    return DEFAULT_TIMEOUT_S
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+                and isinstance(node.value, ast.Constant)):
+            return node.value.value
+    return None
 
 
 def free_port() -> int:
@@ -357,16 +366,16 @@ def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str
     standard.setdefault("LOCAL_SIZE", str(nproc))
     differ = sorted(k for k in set(env) | set(standard)
                     if env.get(k) != standard.get(k) and k not in _prefork.VOLATILE)
-    why = None
     if any(not k.startswith("ZEROSHIM_") for k in differ):
         why = f"its environment is not the standard one ({', '.join(differ[:6])})"
-    elif differ and _prefork.server_imports_zeroshim():
-        why = f"zeroshim flags ({', '.join(differ[:6])}), and the server imports zeroshim (DeepSpeed < 0.14.4)"
     else:
         why = _prefork.fork_refusal(scenario(target), list(args))
     server = None if why else _prefork.server_for(standard, os.path.dirname(os.path.abspath(out)))
     if server is not None and not server.alive():
         why, server = f"its pre-fork server is not in use: {server.why_not}", None
+    elif server is not None and differ and "zeroshim" in server.imported:
+        # DeepSpeed < 0.14.4 imports only with zeroshim's import-compat patches: the server read no flag
+        why, server = f"zeroshim flags ({', '.join(differ[:6])}), and its server imported zeroshim", None
     if why:
         with open(os.path.join(out, "prefork.txt"), "w") as fh:
             fh.write(f"fresh interpreters: {why}\n")

@@ -92,10 +92,9 @@ def fork_refusal(script: str, argv: list) -> "str | None":
             tree = ast.parse(fh.read())
     except (OSError, SyntaxError) as exc:
         return f"its script could not be read ({exc})"
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LAUNCH_FRESH" for t in node.targets)
-                and isinstance(node.value, ast.Constant) and node.value.value):
-            return f"it declares LAUNCH_FRESH: {node.value.value}"
+    fresh = _launch_module().module_constant(tree, "LAUNCH_FRESH")
+    if fresh:
+        return f"it declares LAUNCH_FRESH: {fresh}"
     for node in tree.body:
         if _calls_import_deepspeed(node):
             return None
@@ -125,35 +124,22 @@ def fork_refusal(script: str, argv: list) -> "str | None":
 
 
 def _preimport() -> list:
-    """Import what every rank of a scenario imports first: torch, then DeepSpeed as ``import_deepspeed`` does."""
-    from importlib.metadata import version
+    """Import what every rank of a scenario does first: ``common.import_deepspeed()`` (torch, then DeepSpeed, with
+    zeroshim restricted to its import-compat patches where DeepSpeed needs them), or torch alone where DeepSpeed is
+    not installed.  The helper module itself is dropped again, so that each rank imports its own (its start-up
+    clock, its first-call freeze).  Returns what is imported."""
+    import importlib.util
 
-    import torch  # noqa: F401
-
-    done = ["torch"]
     try:
-        from packaging.version import Version
+        if importlib.util.find_spec("deepspeed") is None:
+            import torch  # noqa: F401
+        else:
+            import common
 
-        old = Version(version("deepspeed")) < Version("0.14.4")
-    except Exception:
-        return done  # no DeepSpeed here
-    if old:
-        import zeroshim
-
-        zeroshim.configure(only=["torch_elastic_compat", "numpy2_compat"])
-        done.append("zeroshim (import-compat patches only)")
-    import deepspeed  # noqa: F401
-
-    return done + ["deepspeed"]
-
-
-def server_imports_zeroshim() -> bool:
-    """Whether a server imports zeroshim (for DeepSpeed's import-compat patches, DeepSpeed < 0.14.4): zeroshim's
-    flags are then read in the server, not in the forked ranks."""
-    from zeroshim import _versions
-
-    installed = _versions.installed("deepspeed")
-    return installed is not None and _versions.base_version(installed) < _versions.base_version("0.14.4")
+            common.import_deepspeed()
+    finally:
+        sys.modules.pop("common", None)
+    return [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
 
 
 class _Forked:
@@ -301,7 +287,7 @@ class Server:
     """One pre-fork server for launches with the environment ``env`` (the ranks' own variables come per launch)."""
 
     def __init__(self, env: dict, log_path: str):
-        self.why_not, self.seconds = None, 0.0
+        self.why_not, self.seconds, self.imported = None, 0.0, []
         started = time.time()
         self._log = open(log_path, "a")
         self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__)], env=env,
@@ -309,6 +295,7 @@ class Server:
                                      start_new_session=True)
         first = self._read(START_TIMEOUT_S)
         self.seconds = round(time.time() - started, 2)
+        self.imported = list((first or {}).get("imported") or [])
         if not first or not first.get("ready"):
             self.why_not = (first or {}).get("why") or f"it did not start within {START_TIMEOUT_S:.0f} s"
             self.close()

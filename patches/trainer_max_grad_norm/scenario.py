@@ -16,33 +16,12 @@ the parameters.
 import tempfile
 
 import torch
-import torch.nn as nn
 
 from common import attempt, begin, enable_zeroshim, end, import_deepspeed, param_digest
+from tiny_mlp import H, Net, Rows
 
 deepspeed = import_deepspeed()
-H, MICRO, STEPS, NORM = 16, 2, 4, 0.05
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, 4))
-
-    def forward(self, x):
-        return {"loss": self.net(x).pow(2).mean()}
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, n):
-        self.x = torch.randn(n, H, generator=torch.Generator().manual_seed(1))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i]}
+MICRO, STEPS, NORM = 2, 4, 0.05
 
 
 def train(max_grad_norm: float, key: bool) -> dict:

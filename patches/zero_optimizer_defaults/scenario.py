@@ -11,42 +11,22 @@ Two paths, each run as ``reference``, ``without`` (no zeroshim) and ``with`` (ze
   ``get_cosine_with_min_lr_schedule_with_warmup`` on the prepared optimizer (any release).
 
 Patch ``zero3_gloo_gather`` stays on in the runs without zeroshim (it follows its own gate): the ZeRO-3 runs are
-compared bit for bit.  Each run records the learning rate after each step, the losses and a digest of the parameters, or its error.
+compared bit for bit.  Each run records the learning rate after each step, the losses and a digest of the
+parameters, or its error.
 """
 
 import tempfile
 
 import torch
-import torch.nn as nn
 
 from common import attempt, begin, enable_zeroshim, end, import_deepspeed, param_digest
+from tiny_mlp import H, Net, Rows
 
 # ZeRO-3 runs compared bit for bit: patch zero3_gloo_gather stays on in the runs without zeroshim (its own gate;
 # DeepSpeed's blocking gathers on gloo now and then read unwritten memory: see common.import_deepspeed)
 deepspeed = import_deepspeed(fix_gloo_gathers=True)
-H, MICRO, STEPS, LR = 16, 2, 4, 1e-3
+MICRO, STEPS, LR = 2, 4, 1e-3
 SCHEDULES = {"min_lr": {"min_lr": 1e-5}, "ratio": {"min_lr_rate": 0.01}}
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, 4))
-
-    def forward(self, x):
-        return {"loss": self.net(x).pow(2).mean()}
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, n):
-        self.x = torch.randn(n, H, generator=torch.Generator().manual_seed(1))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i]}
 
 
 def _config(stage: int) -> dict:
