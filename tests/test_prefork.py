@@ -103,6 +103,12 @@ def test_forked_ranks_train_as_fresh_ones_bit_for_bit(tmp_path):
     for rank in range(2):
         seen = [r["ranks"][rank] for r in (fresh, first, second)]
         assert seen[0]["losses"] == seen[1]["losses"] == seen[2]["losses"]
+        # zeroshim as a fresh rank has it: restricted by the scenario's first import_deepspeed() (here to the
+        # import-compat patches where DeepSpeed needs them, and zero3_gloo_gather), not by init_distributed's
+        # second call (forked ranks of 0.14.1 lost zero3_gloo_gather there, and their ZeRO-3 runs read unwritten
+        # memory now and then)
+        assert seen[0]["zeroshim"] == seen[1]["zeroshim"] == seen[2]["zeroshim"]
+        assert "zero3_gloo_gather" in seen[0]["zeroshim"], seen[0]["zeroshim"]
         for s in seen:
             assert s["session_leader"] and s["path0"] == os.path.dirname(PROBE)
             assert s["env"]["RANK"] == str(rank) and s["env"]["WORLD_SIZE"] == "2"

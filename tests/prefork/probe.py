@@ -3,7 +3,8 @@
 ``--mode train``: records the process (pid, parent, session), its arguments, ``sys.path[0]``, its rank's
 variables, whether an earlier launch's change to the ``torch`` module shows, and the losses of 3 ZeRO-3 steps
 of a tiny model; sets an attribute on the ``torch`` module (a later launch forked from the same server must not see
-it).  ``--mode fail``: rank 1 exits 3 after the process group is up, rank 0 waits in a barrier.  ``--mode hang``:
+it).  ``--mode fail``: rank 1 exits 3 after the process group is up, rank 0 sleeps (outside any collective: in a
+barrier, gloo would see rank 1 go and rank 0 could exit 1 before the launcher saw rank 1's 3).  ``--mode hang``:
 every rank sleeps."""
 
 import argparse
@@ -15,7 +16,7 @@ import torch
 
 from common import ds_config, end, import_deepspeed, init_distributed, train_small, write_results
 
-deepspeed = import_deepspeed()
+deepspeed = import_deepspeed(fix_gloo_gathers=True)
 LEAK = getattr(torch, "_zs_probe_leak", None)  # set by an earlier launch's ranks: never seen in this one
 
 
@@ -33,16 +34,19 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", default="train")
     args = parser.parse_args()
-    rank, _ = init_distributed()
+    rank, _ = init_distributed()  # calls import_deepspeed() again: the first call's restriction stays
+    import zeroshim
+
+    restricted = {name: s.state for name, s in zeroshim.status().items() if s.state != "disabled"}
     results = {"pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
-               "argv": sys.argv[1:], "path0": sys.path[0], "leak": LEAK,
+               "argv": sys.argv[1:], "path0": sys.path[0], "leak": LEAK, "zeroshim": restricted,
                "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
                                                       "ZEROSHIM_LOG_LEVEL", "ZSLAUNCH_FORKED")}}
     if args.mode == "fail":
         write_results(args.out, results)
         if rank == 1:
             sys.exit(3)
-        torch.distributed.barrier()  # never completes: rank 1 is gone
+        time.sleep(3600)  # stopped by the launcher once rank 1 has exited
     if args.mode == "hang":
         write_results(args.out, results)
         time.sleep(3600)

@@ -45,15 +45,17 @@ def import_deepspeed(fix_gloo_gathers: bool = False):
     keep = list(IMPORT_COMPAT_PATCHES) if Version(version("deepspeed")) < Version("0.14.4") else []
     if fix_gloo_gathers:
         keep.append(GATHER_FIX)
+    first = "ready" not in _TIMES
     # a rank forked from a pre-fork server (zeroshim/_prefork.py) finds zeroshim imported there, restricted to
-    # the import-compat patches where DeepSpeed needs them: it sets the restriction a fresh rank would
-    if keep and ("zeroshim" not in sys.modules or os.environ.get("ZSLAUNCH_FORKED") == "1"):
+    # the import-compat patches where DeepSpeed needs them: its first call sets the restriction a fresh rank's
+    # first call would; later calls (init_distributed's) change nothing, in a forked rank as in a fresh one
+    if keep and first and ("zeroshim" not in sys.modules or os.environ.get("ZSLAUNCH_FORKED") == "1"):
         import zeroshim
 
         zeroshim.configure(only=keep)
     import deepspeed
 
-    if "ready" not in _TIMES:  # the first call, before any engine (init_distributed calls this again)
+    if first:  # before any engine (init_distributed calls this again)
         freeze_imported()
     _TIMES.setdefault("ready", time.time())  # this rank's start-up (interpreter, torch, DeepSpeed) is over
     return deepspeed
