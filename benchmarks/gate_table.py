@@ -132,6 +132,9 @@ REQUIREMENTS = {
     "stale_build_lock": [],  # torch's build lock: no DeepSpeed target
     "warmup_lr_groups": [("params", "deepspeed.runtime.lr_schedules", "WarmupLR.__init__",
                           ("optimizer", "warmup_min_lr", "warmup_max_lr"))],
+    "warmup_zero_steps": [("params", "deepspeed.runtime.lr_schedules", "WarmupLR.__init__", ("warmup_num_steps",)),
+                          ("params", "deepspeed.runtime.lr_schedules", "WarmupCosineLR.__init__",
+                           ("warmup_num_steps",))],
     "zero_no_sync": [
         ("attr", E, "DeepSpeedEngine.zero_optimization_partition_gradients"),
         ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),

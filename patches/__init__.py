@@ -45,4 +45,5 @@ PATCH_MODULES = (
     "zero3_from_config_init",
     "zero3_unwrapped_model",
     "zero_optimizer_defaults",
+    "warmup_zero_steps",
 )

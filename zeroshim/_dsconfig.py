@@ -127,33 +127,6 @@ def _clipping_default() -> str:
             "value you want.")
 
 
-WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-
-
-def _warmup_steps(raw: object) -> "Optional[tuple]":
-    """``(level, message)`` for a warmup scheduler whose ``warmup_num_steps`` DeepSpeed >= 0.19.3 refuses
-    ("warmup_num_steps must be a positive integer": 0, a negative number, or what HF Trainer and accelerate put
-    for "auto", the trainer's warmup steps, 0 unless warmup is asked for); read in the 0.19.0, 0.19.2 (no check),
-    0.19.3, 0.19.4, 0.19.6 and 0.19.8 sources.  None where nothing is wrong."""
-    scheduler = raw.get("scheduler") if isinstance(raw, dict) else None
-    if not isinstance(scheduler, dict) or scheduler.get("type") not in WARMUP_SCHEDULERS:
-        return None
-    installed, refuses = _deepspeed_from("0.19.3")
-    if not refuses:
-        return None
-    params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
-    steps = params.get("warmup_num_steps", 1000)
-    refused = f"DeepSpeed {installed} refuses warmup_num_steps <= 0 (\"warmup_num_steps must be a positive integer\")"
-    if steps == AUTO:
-        return ("warning", f"scheduler {scheduler['type']} with warmup_num_steps \"auto\": HF Trainer and accelerate "
-                           f"fill it with the trainer's warmup steps, 0 unless warmup_steps or warmup_ratio is set, "
-                           f"and {refused}; set a warmup, or a number >= 1.")
-    number = _number(steps, int)
-    if isinstance(number, int) and number <= 0:
-        return ("error", f"scheduler {scheduler['type']} with warmup_num_steps {steps}: {refused}; set a number >= 1.")
-    return None
-
-
 def general_findings(cfg: DSConfig) -> "List[dict]":
     """Offload settings that cannot work together (no zeroshim patch involved)."""
     findings: "List[dict]" = []
@@ -178,9 +151,6 @@ def general_findings(cfg: DSConfig) -> "List[dict]":
                        f"({pins['offload_optimizer']} vs {pins['offload_param']}).")
     if isinstance(cfg.raw, dict) and "gradient_clipping" not in cfg.raw:
         add("warning", _clipping_default())
-    warmup = _warmup_steps(cfg.raw)
-    if warmup:
-        add(*warmup)
     threshold = _number(cfg.zero.get("stage3_param_persistence_threshold"), float)
     if cfg.stage == 3 and isinstance(threshold, float) and threshold > 10**8:
         add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
