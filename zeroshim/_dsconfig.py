@@ -106,27 +106,6 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
     return out, problems
 
 
-def _deepspeed_from(version: str) -> "tuple[Optional[str], bool]":
-    """The installed DeepSpeed (None if none) and whether it is ``version`` or newer."""
-    from . import _versions
-
-    installed = _versions.installed("deepspeed")
-    return installed, installed is not None and bool(_versions.in_range(installed, f">={version}"))
-
-
-def _clipping_default() -> str:
-    """What DeepSpeed does with a config that has no ``gradient_clipping`` key: its default, which 0.19.3 changed
-    from 0 (no clipping) to 1.0 (``runtime/constants.py`` ``GRADIENT_CLIPPING_DEFAULT``, read in the 0.19.0,
-    0.19.2, 0.19.3 and 0.19.8 sources)."""
-    installed, clips = _deepspeed_from("0.19.3")
-    what = (f"DeepSpeed {installed} clips gradients at 1.0 (its default since 0.19.3)" if clips else
-            f"DeepSpeed {installed or '(not installed)'} does not clip gradients (its default before 0.19.3 is 0; "
-            "from 0.19.3 it clips at 1.0)")
-    return (f"no gradient_clipping: {what}. HF Trainer and accelerate fill only keys set to \"auto\", so a "
-            "max_grad_norm given to them does not reach DeepSpeed; write \"gradient_clipping\": \"auto\" or the "
-            "value you want.")
-
-
 def general_findings(cfg: DSConfig) -> "List[dict]":
     """Offload settings that cannot work together (no zeroshim patch involved)."""
     findings: "List[dict]" = []
@@ -149,8 +128,6 @@ def general_findings(cfg: DSConfig) -> "List[dict]":
     if len(set(pins.values())) > 1:
         add("warning", "offload_optimizer and offload_param disagree on pin_memory "
                        f"({pins['offload_optimizer']} vs {pins['offload_param']}).")
-    if isinstance(cfg.raw, dict) and "gradient_clipping" not in cfg.raw:
-        add("warning", _clipping_default())
     threshold = _number(cfg.zero.get("stage3_param_persistence_threshold"), float)
     if cfg.stage == 3 and isinstance(threshold, float) and threshold > 10**8:
         add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "

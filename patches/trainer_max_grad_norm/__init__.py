@@ -104,6 +104,24 @@ def _reset() -> None:
     stats["acted"] = 0
 
 
+def check_config(cfg, affected: bool) -> list:
+    """``zeroshim doctor --config``: no ``gradient_clipping`` key, so DeepSpeed clips at its own default (read from
+    the installed source) whatever ``max_grad_norm`` the HF Trainer or accelerate was given."""
+    if not affected or not isinstance(cfg.raw, dict) or "gradient_clipping" in cfg.raw:
+        return []
+    from zeroshim import _versions
+
+    installed, default = _versions.installed("deepspeed") or "(not installed)", deepspeed_default()
+    what = (f"DeepSpeed {installed}'s default could not be read from its runtime/constants.py" if default is None
+            else f"DeepSpeed {installed} clips gradients at {default!r} (its GRADIENT_CLIPPING_DEFAULT)" if default
+            else f"DeepSpeed {installed} does not clip gradients (its GRADIENT_CLIPPING_DEFAULT is 0)")
+    return [{"level": "warning",
+             "message": f"no gradient_clipping: {what}. The HF Trainer and accelerate fill only keys set to \"auto\": "
+                        "with zeroshim imported the HF Trainer's max_grad_norm reaches DeepSpeed, "
+                        "accelerate's still does not; write \"gradient_clipping\": \"auto\" or the "
+                        "value you want."}]
+
+
 PATCH = Patch(
     changes=("numbers",),
     name=NAME,
@@ -113,5 +131,6 @@ PATCH = Patch(
     affects={"transformers": "", "deepspeed": ""},
     versions_note="with the HF Trainer",
     targets={"transformers.integrations.deepspeed": patch_integration},
+    check_config=check_config,
     on_undo=_reset,
 )
