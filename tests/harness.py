@@ -23,12 +23,18 @@ EVERYTHING_HERE = os.environ.get("ZSTEST_ENV") in (None, ONCE_ENV)
 TIMEOUT = int(os.environ["ZSTEST_TIMEOUT"]) if os.environ.get("ZSTEST_TIMEOUT") else None
 
 
-def ds_before(version: str) -> bool:
-    """True if the installed DeepSpeed is older than ``version`` (pre-releases count as the release)."""
+def before(package: str, version: str) -> bool:
+    """True if the installed ``package`` is older than ``version`` (pre-releases count as the release); False
+    where it is not installed."""
     from zeroshim import _versions
 
-    installed = _versions.installed("deepspeed")
+    installed = _versions.installed(package)
     return installed is not None and _versions.base_version(installed) < _versions.base_version(version)
+
+
+def ds_before(version: str) -> bool:
+    """True if the installed DeepSpeed is older than ``version`` (pre-releases count as the release)."""
+    return before("deepspeed", version)
 
 
 def peft_between(low: str, high: str) -> bool:

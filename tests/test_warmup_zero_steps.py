@@ -4,7 +4,7 @@ the HF Trainer with ``"warmup_num_steps": "auto"`` and no warmup."""
 
 import pytest
 
-from harness import ds_before, load_proof, torchrun
+from harness import before, ds_before, load_proof, torchrun
 
 pytestmark = pytest.mark.deepspeed
 # written here from the tagged sdists (0.19.2 takes max(2, n) of anything; 0.19.3 refuses what is not a positive
@@ -13,16 +13,8 @@ AFFECTED = not ds_before("0.19.3")
 CASES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "float")
 KEYS = ("lrs", "losses", "param_sha256")
 
-
-def _transformers_before(version: str) -> bool:
-    from zeroshim import _versions
-
-    installed = _versions.installed("transformers")
-    return installed is not None and _versions.base_version(installed) < _versions.base_version(version)
-
-
 # transformers 5.18.0 fills "auto" with max(1, warmup steps) (read in the 5.17.0 and 5.18.0 wheels)
-TRAINER_AFFECTED = AFFECTED and _transformers_before("5.18.0")
+TRAINER_AFFECTED = AFFECTED and before("transformers", "5.18.0")
 
 
 def same(a, b):

@@ -4,24 +4,16 @@ DeepSpeed's optimizer, through the HF Trainer and through accelerate."""
 
 import pytest
 
-from harness import ds_before, load_proof, torchrun
+from harness import before, ds_before, load_proof, torchrun
 
 pytestmark = pytest.mark.deepspeed
 # written here from the tagged sources (0.14.1 moved DeepSpeedOptimizer into runtime/base_optimizer.py; no release
 # read defines defaults on it or its subclasses), not read from the patch's gate: tests/test_inert_gates.py compares
 AFFECTED = not ds_before("0.14.1")
 
-
-def _transformers_from(version: str) -> bool:
-    from zeroshim import _versions
-
-    installed = _versions.installed("transformers")
-    return installed is not None and _versions.base_version(installed) >= _versions.base_version(version)
-
-
 # transformers 5.1.0 builds the Trainer's schedule after accelerator.prepare, on DeepSpeed's optimizer (read in the
 # 4.57.6 and 5.1.0-5.4.0 wheels)
-TRAINER_AFFECTED = AFFECTED and _transformers_from("5.1.0")
+TRAINER_AFFECTED = AFFECTED and not before("transformers", "5.1.0")
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,11 @@ def installed(package: str) -> "Optional[str]":
         return None
 
 
+def shown(package: str) -> str:
+    """The installed version of ``package`` for a message: ``"?"`` where it is not installed."""
+    return installed(package) or "?"
+
+
 def base_version(version: str) -> "Version":
     """``2.13.0+cpu`` -> ``2.13.0``: local labels never decide a range."""
     from packaging.version import Version

@@ -41,7 +41,7 @@ Undo
 
 from __future__ import annotations
 
-from zeroshim import _log
+from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, TargetChanged, guard, require_attr, require_params
 from zeroshim._source import Fingerprint
@@ -76,7 +76,7 @@ def _make_init(module):
                     _log.acted(NAME, "WarmupLR warms each param group up to its own learning rate %s instead of "
                                      "group 0's %s for all", "DeepSpeed %s's WarmupLR without warmup_max_lr takes "
                                "param group 0's rate for every group (fixed in 0.19.4); set warmup_max_lr to "
-                               "choose", rates, [rates[0]] * len(rates), _installed())
+                               "choose", rates, [rates[0]] * len(rates), _versions.shown("deepspeed"))
                     if len(args) > 2:
                         args = args[:2] + (rates,) + tuple(args[3:])
                     else:
@@ -84,12 +84,6 @@ def _make_init(module):
         return wrapped(*args, **kwargs)
 
     return _init
-
-
-def _installed() -> str:
-    from zeroshim import _versions
-
-    return _versions.installed("deepspeed") or "?"
 
 
 def patch_lr_schedules(module, patcher: Patcher) -> None:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import operator
 
-from zeroshim import _log
+from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, TargetChanged, guard, require_attr
 from zeroshim._source import Fingerprint
@@ -62,7 +62,6 @@ NAME = "warmup_zero_steps"
 stats = {"taken": []}
 PARAM = "warmup_num_steps"
 CLASSES = ("WarmupLR", "WarmupCosineLR")  # WarmupDecayLR calls WarmupLR.__init__
-AUTO = "auto"
 
 
 def accepted(value) -> "int | None":
@@ -105,7 +104,7 @@ def _make_init(position: int):
                            "DeepSpeed %s refuses a warmup_num_steps that is not a positive int (\"warmup_num_steps "
                            "must be a positive integer\"); the HF Trainer before transformers 5.18 and accelerate's "
                            "DummyScheduler before 1.15 fill \"auto\" with 0 where no warmup is set",
-                           name, given, number, _installed())
+                           name, given, number, _versions.shown("deepspeed"))
                 if len(args) > position:
                     args = args[:position] + (number,) + tuple(args[position + 1:])
                 else:
@@ -113,12 +112,6 @@ def _make_init(position: int):
         return wrapped(*args, **kwargs)
 
     return _init
-
-
-def _installed() -> str:
-    from zeroshim import _versions
-
-    return _versions.installed("deepspeed") or "?"
 
 
 def patch_lr_schedules(module, patcher: Patcher) -> None:
@@ -138,11 +131,14 @@ def check_config(cfg, affected: bool) -> list:
     scheduler = cfg.raw.get("scheduler") if isinstance(cfg.raw, dict) else None
     if not affected or not isinstance(scheduler, dict) or scheduler.get("type") not in WARMUP_SCHEDULERS:
         return []
+    from zeroshim import _dsconfig  # doctor's reader, imported only by doctor
+
     params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
     steps = params.get(PARAM, 1000)
-    refused = (f"DeepSpeed {_installed()} refuses warmup_num_steps <= 0 (\"warmup_num_steps must be a positive "
+    deepspeed = _versions.shown("deepspeed")
+    refused = (f"DeepSpeed {deepspeed} refuses warmup_num_steps <= 0 (\"warmup_num_steps must be a positive "
                "integer\"); zeroshim takes it as 1 when it is imported, the steps DeepSpeed <= 0.19.2 scheduled")
-    if steps == AUTO:
+    if steps == _dsconfig.AUTO:
         return [{"level": "warning",
                  "message": f"scheduler {scheduler['type']} with warmup_num_steps \"auto\": the HF Trainer before "
                             "transformers 5.18 and accelerate before 1.15 fill it with the trainer's warmup steps, "

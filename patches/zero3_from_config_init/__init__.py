@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import importlib
 
-from zeroshim import _agree, _log
+from zeroshim import _agree, _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, TargetChanged, guard, require_attr
 from zeroshim._source import Fingerprint
@@ -127,16 +127,11 @@ def _make_from_config(module):
                 _log.acted(NAME, "initialising %s with its _init_weights after from_config under ZeRO-3 (%d "
                                  "modules gathered in turn)",
                            "transformers %s ran _init_weights on empty ZeRO-3 shards, which leaves torch's default "
-                           "initialisation (fixed in 5.3.0)", type(model).__name__, modules, _installed())
+                           "initialisation (fixed in 5.3.0)", type(model).__name__, modules,
+                           _versions.shown("transformers"))
         return model
 
     return _from_config
-
-
-def _installed() -> str:
-    from zeroshim import _versions
-
-    return _versions.installed("transformers") or "?"
 
 
 def patch_modeling_utils(module, patcher: Patcher) -> None:

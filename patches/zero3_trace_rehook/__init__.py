@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import collections
 
-from zeroshim import _log
+from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, TargetChanged, guard, require_attr
 from zeroshim._source import Fingerprint
@@ -87,7 +87,7 @@ def _register(wrapped, instance, args, kwargs):
                                  "again (the next pass runs without prefetching)",
                            "registering the hooks again renumbers the modules under the recorded trace, and "
                            "DeepSpeed %s keeps it (IndexError: pop from an empty deque; fixed in 0.19.2)",
-                           _installed())
+                           _versions.shown("deepspeed"))
     return wrapped(*args, **kwargs)
 
 
@@ -98,12 +98,6 @@ def _clear(wrapped, instance, args, kwargs):
     if is_active(NAME) and hasattr(instance, _QUEUES):
         setattr(instance, _QUEUES, collections.defaultdict(collections.deque))
     return result
-
-
-def _installed() -> str:
-    from zeroshim import _versions
-
-    return _versions.installed("deepspeed") or "?"
 
 
 def patch_offload(module, patcher: Patcher) -> None:
