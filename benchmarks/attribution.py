@@ -20,6 +20,13 @@ share; gloo, CPU, an 8-block MLP of width ``--hidden`` on 8 x 64 tokens):
   (``nonreentrant_checkpoint`` converts each call) and a zero-weighted term over
   an unused partitioned layer (``zero3_dummy_loss`` walks and cuts it every step).
 
+``--model llama`` (issue #47 item 8) replaces the MLP by a Llama decoder of the 7B
+shape's depth at a tiny width (``transformers.LlamaForCausalLM``, 32 layers of width
+``--hidden``, vocabulary 256, 8 x 64 tokens): the autograd graph and the parameter
+count per layer of a real model (9 tensors a layer, about 40 autograd nodes), so the
+costs that scale with nodes and parameters (the backward-graph walk, the
+per-parameter gradient hooks) are counted at real size; only ``zero2`` and ``zero3``.
+
 Not attributed: hooks patches register on torch objects (see zeroshim/_timing.py).
 The timers' own cost (about a microsecond per wrapped call) is counted as
 zeroshim's, so the shares are upper bounds.
@@ -72,6 +79,21 @@ def worker(args):
             return loss
 
     torch.manual_seed(0)
+    if args.model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=h, intermediate_size=int(h * 8 / 3), num_hidden_layers=args.layers,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.llama = llama
+
+            def forward(self, ids):
+                return self.llama(input_ids=ids, labels=ids).loss
+
     net = Net()
     config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
               "zero_allow_untested_optimizer": True,
@@ -79,7 +101,10 @@ def worker(args):
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4),
                                       config=config)
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, 64, h, generator=gen).requires_grad_(acting)
+    if args.model == "llama":
+        x = torch.randint(0, 256, (8, 64), generator=gen)
+    else:
+        x = torch.randn(8, 64, h, generator=gen).requires_grad_(acting)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             _timing.reset()
@@ -104,7 +129,7 @@ def measure(args, workload, nproc):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--workload", workload,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-               "--layers", str(args.layers), "--out", out]
+               "--layers", str(args.layers), "--model", args.model, "--out", out]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(nproc)
                  if os.path.exists(os.path.join(out, f"rank{r}.json"))]
@@ -126,18 +151,32 @@ def main():
     parser.add_argument("--ranks", default="1,4")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, help="default 128 (mlp), 64 (llama)")
+    parser.add_argument("--layers", type=int, help="default 8 (mlp), 32 (llama)")
+    parser.add_argument("--model", choices=("mlp", "llama"), default="mlp",
+                        help="llama: a 32-layer Llama decoder at width --hidden (default 64), zero2 and zero3")
+    parser.add_argument("--workloads", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all; llama: "
+                        "zero2,zero3)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the worker's results folder
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    llama = args.model == "llama"
+    if args.layers is None:
+        args.layers = 32 if llama else 8
+    if args.hidden is None:
+        args.hidden = 64 if llama else 128
     if args.smoke:
         args.steps, args.warmup, args.layers, args.hidden, args.ranks = 2, 1, 2, 32, "1"
-    rows = [measure(args, w, int(n)) for n in args.ranks.split(",") for w in WORKLOADS]
-    print(f"zeroshim's own time per step (ZEROSHIM_TIMING=1; hidden {args.hidden}, {args.layers} blocks, "
+    workloads = args.workloads.split(",") if args.workloads else (("zero2", "zero3") if llama else WORKLOADS)
+    bad = [w for w in workloads if w not in WORKLOADS or (llama and w == "zero3-acting")]
+    if bad:
+        parser.error(f"--workloads {','.join(bad)}: not a workload of --model {args.model}")
+    rows = [measure(args, w, int(n)) for n in args.ranks.split(",") for w in workloads]
+    print(f"zeroshim's own time per step (ZEROSHIM_TIMING=1; {args.model}, hidden {args.hidden}, {args.layers} "
+          f"{'layers' if llama else 'blocks'}, "
           f"{args.steps} steps after {args.warmup}; the rank with the largest share)")
     print("| workload | ranks | step ms | zeroshim ms | share | by patch (ms/step) |")
     print("|---|---|---|---|---|---|")

@@ -294,6 +294,28 @@ def test_generate_sync_off_on_one_rank_stops_within_seconds_on_every_rank(tmp_pa
 
 
 @pytest.mark.deepspeed
+def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path):
+    """Every patch whose unpatched failure is silent (rule "stop"), off on rank 1 only: both ranks stop before the
+    engine is built, and the one line names each of them that acts on rank 0, with rank 1's flag as the reason."""
+    flags = {f"ZEROSHIM_{name.upper()}": "off" for name in STOP}
+    result = _launch(tmp_path, flags)
+    assert all(out is not None for out in result["ranks"]), result["log"][-3000:]
+    acting = sorted(name for name in STOP if result["ranks"][0]["report"]["patches"][name][0])
+    assert len(acting) >= 2, f"only {acting} of the stop-rule patches act here: the test proves no more than one"
+    assert not any(result["ranks"][1]["report"]["patches"][name][0] for name in STOP)
+    for rank, out in enumerate(result["ranks"]):
+        assert "hang" not in out and out["stage"] == "init", out
+        assert out["stopped"]["type"] == "RanksDisagree", out
+        for name in acting:
+            flag = f"ZEROSHIM_{name.upper()}"
+            assert f"{name} acts on rank 0 but not on rank 1 (rank 1: disabled by {flag}=off)" in \
+                out["stopped"]["message"], (rank, name, out["stopped"]["message"])
+            assert flag in out["stopped"]["message"].rsplit(". Set ", 1)[1], (rank, name)
+        assert _lines(result["log"], rank, "the ranks disagree about patches that change collectives"), rank
+    assert result["returncode"] != 0
+
+
+@pytest.mark.deepspeed
 def test_every_off_rule_patch_split_is_turned_off_on_every_rank_and_the_run_trains(tmp_path):
     """Every patch that changes collectives and whose unpatched failure is loud, off on rank 1 only: the ranks
     turn each of them off, say so on every rank, and train (generate and a step)."""

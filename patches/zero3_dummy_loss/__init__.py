@@ -116,6 +116,7 @@ from zeroshim._patcher import Patcher, guard, require, require_attr
 NAME = "zero3_dummy_loss"
 
 _MUL_NODES = ("MulBackward0", "MulBackward1")
+_mul_type: dict = {}  # autograd node class -> is it one of _MUL_NODES (the walk's per-node test)
 # id -> _SKIP or _ZERO for the parameters a cut term reached, for the backward now running
 # (ids, not a WeakSet: tensors compare elementwise; parameters outlive it).  Where the cut term
 # was a parameter's only path, its DeepSpeed gradient hook still fires, with ``grad`` None: a
@@ -282,16 +283,20 @@ def strip_zero_terms(loss, engine=None) -> int:
 
 def _strip(loss, cuts: dict, handles: list) -> int:
     root = getattr(loss, "grad_fn", None)
-    cut, seen, stack = 0, set(), [root]
-    # once per backward over every node of the graph: the common path (not a Mul node) costs a set
-    # lookup, a type name and the node's edges (benchmarks/RESULTS.md section 10b)
-    mul_nodes, pop, push, add = _MUL_NODES, stack.pop, stack.extend, seen.add
+    if root is None:
+        return 0
+    # Once per backward over every node of the graph, so the common path (not a Mul node) is kept to a
+    # dict lookup by the node's type, its edges, and a set lookup per edge; a node is pushed once
+    # (benchmarks/RESULTS.md sections 10b and 27).
+    cut, seen, stack, is_mul = 0, {root}, [root], _mul_type
+    pop, push, add = stack.pop, stack.append, seen.add
     while stack:
         node = pop()
-        if node is None or node in seen:
-            continue
-        add(node)
-        if type(node).__name__ in mul_nodes:
+        kind = type(node)
+        mul = is_mul.get(kind)
+        if mul is None:
+            mul = is_mul[kind] = kind.__name__ in _MUL_NODES
+        if mul:
             params = _zero_term_params(node)
             if params:
                 handles.append(node.register_prehook(_undefined))
@@ -299,7 +304,10 @@ def _strip(loss, cuts: dict, handles: list) -> int:
                     cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
                 cut += 1
                 continue
-        push([fn for fn, _ in node.next_functions])
+        for fn, _ in node.next_functions:
+            if fn is not None and fn not in seen:
+                add(fn)
+                push(fn)
     return cut
 
 
