@@ -46,4 +46,5 @@ PATCH_MODULES = (
     "zero3_unwrapped_model",
     "zero_optimizer_defaults",
     "warmup_zero_steps",
+    "zero3_device_map",
 )
