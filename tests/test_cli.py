@@ -75,8 +75,9 @@ def test_doctor_says_when_the_stack_is_newer_than_the_newest_tested(tmp_path):
 
 
 def test_doctor_names_known_problems_of_the_installed_releases_together(tmp_path):
-    """torch >= 2.14 with DeepSpeed < 0.19.5: the C++20 headers against DeepSpeed's -std=c++17 (boundaries
-    written here from the sdists and wheels, not read from zeroshim._stack)."""
+    """torch >= 2.14 with DeepSpeed < 0.19.5: the C++20 headers against DeepSpeed's -std=c++17; DeepSpeed >= 0.19.6:
+    the 10-minute process-group timeout (boundaries written here from the sdists and wheels, not read from
+    zeroshim._stack)."""
     from packaging.version import Version
 
     torch = Version(_versions.base_version(_versions.installed("torch")).base_version)
@@ -84,6 +85,8 @@ def test_doctor_names_known_problems_of_the_installed_releases_together(tmp_path
     report = json.loads(cli("doctor", "--json", cwd=tmp_path).stdout)
     said = [n["problem"] for n in report["stack_notes"]]
     assert any("-std=c++17" in p and "#178150" in p for p in said) == cpp17, said
+    short_timeout = Version(DS) >= Version("0.19.6")  # DeepSpeed #8253: default_pg_timeout 30 -> 10 minutes
+    assert any("after 10 minutes, not 30" in p for p in said) == short_timeout, said
     text = cli("doctor", cwd=tmp_path).stdout
     assert ("which no patch fixes" in text) == bool(said)
 

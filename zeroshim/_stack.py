@@ -21,6 +21,19 @@ STACK_NOTES = (
      "remedy": "DeepSpeed >= 0.19.7 where nvcc is CUDA 13",
      "evidence": "read in the DeepSpeed 0.19.5 and 0.19.7 sdists (op_builder/builder.py: nvcc_args); DeepSpeed "
                  "#8422"},
+    {"ranges": {"deepspeed": ">=0.19.6"},
+     "problem": "a process group DeepSpeed creates without a timeout= (deepspeed.init_distributed() or "
+                "deepspeed.initialize() in a plain script) times collectives out after 10 minutes, not 30 as "
+                "before 0.19.6, for every backend, gloo included: a step that keeps the other ranks waiting longer "
+                "(a checkpoint saved or an evaluation run on rank 0 only, data prepared on one rank) now ends the "
+                "job with a collective timeout. The HF Trainer passes its own (ddp_timeout, 1800 s) and is not "
+                "affected; accelerate's Accelerator is, unless given InitProcessGroupKwargs(timeout=...)",
+     "remedy": "DEEPSPEED_TIMEOUT=30 (minutes) in the environment, deepspeed.init_distributed(timeout=...), or "
+               "accelerate's InitProcessGroupKwargs(timeout=...)",
+     "evidence": "read in the DeepSpeed 0.19.5 and 0.19.6 sdists (constants.py: default_pg_timeout, 30 then 10 "
+                 "minutes; 0.19.8 the same); DeepSpeed #8253, a deliberate change to follow torch's NCCL default, "
+                 "so zeroshim leaves it as it is; accelerate 1.15 passes the Trainer's ddp_timeout, and an "
+                 "InitProcessGroupKwargs timeout, to deepspeed.init_distributed, and nothing otherwise"},
 )
 
 
