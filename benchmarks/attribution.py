@@ -23,7 +23,7 @@ share; gloo, CPU, an 8-block MLP of width ``--hidden`` on 8 x 64 tokens):
 ``--model llama`` (issue #47 item 8) replaces the MLP by a Llama decoder of the 7B
 shape's depth at a tiny width (``transformers.LlamaForCausalLM``, 32 layers of width
 ``--hidden``, vocabulary 256, 8 x 64 tokens): the autograd graph and the parameter
-count per layer of a real model (9 tensors a layer, about 40 autograd nodes), so the
+count per layer of a real model (9 tensors a layer, about 80 autograd nodes), so the
 costs that scale with nodes and parameters (the backward-graph walk, the
 per-parameter gradient hooks) are counted at real size; only ``zero2`` and ``zero3``.
 

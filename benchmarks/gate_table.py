@@ -187,6 +187,9 @@ REQUIREMENTS = {
     "zero3_from_config_init": [],  # transformers' PreTrainedModel: no DeepSpeed target
     "zero3_unwrapped_model": [],  # transformers' PreTrainedModel: no DeepSpeed target
     "zero_optimizer_defaults": [("attr", "deepspeed.runtime.base_optimizer", "DeepSpeedOptimizer")],
+    "zero3_init_arange": [("attr", "deepspeed.runtime.zero.partition_parameters",
+                           "zero_wrapper_for_fp_tensor_constructor"),
+                          ("attr", "deepspeed.runtime.zero.partition_parameters", "_orig_torch_arange")],
 }
 
 

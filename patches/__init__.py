@@ -47,4 +47,5 @@ PATCH_MODULES = (
     "zero_optimizer_defaults",
     "warmup_zero_steps",
     "zero3_device_map",
+    "zero3_init_arange",
 )

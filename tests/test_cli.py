@@ -87,6 +87,8 @@ def test_doctor_names_known_problems_of_the_installed_releases_together(tmp_path
     assert any("-std=c++17" in p and "#178150" in p for p in said) == cpp17, said
     short_timeout = Version(DS) >= Version("0.19.6")  # DeepSpeed #8253: default_pg_timeout 30 -> 10 minutes
     assert any("after 10 minutes, not 30" in p for p in said) == short_timeout, said
+    chosen = json.loads(cli("doctor", "--json", env={"DEEPSPEED_TIMEOUT": "30"}, cwd=tmp_path).stdout)
+    assert not any("after 10 minutes" in n["problem"] for n in chosen["stack_notes"])  # the remedy is applied
     text = cli("doctor", cwd=tmp_path).stdout
     assert ("which no patch fixes" in text) == bool(said)
 

@@ -21,7 +21,7 @@ STACK_NOTES = (
      "remedy": "DeepSpeed >= 0.19.7 where nvcc is CUDA 13",
      "evidence": "read in the DeepSpeed 0.19.5 and 0.19.7 sdists (op_builder/builder.py: nvcc_args); DeepSpeed "
                  "#8422"},
-    {"ranges": {"deepspeed": ">=0.19.6"},
+    {"ranges": {"deepspeed": ">=0.19.6"}, "unless_environ": "DEEPSPEED_TIMEOUT",
      "problem": "a process group DeepSpeed creates without a timeout= (deepspeed.init_distributed() or "
                 "deepspeed.initialize() in a plain script) times collectives out after 10 minutes, not 30 as "
                 "before 0.19.6, for every backend, gloo included: a step that keeps the other ranks waiting longer "
@@ -55,9 +55,14 @@ def torch_cuda() -> "str | None":
 
 def notes() -> list:
     """The notes whose ranges all hold for the installed releases (and, where a note names one, whose torch
-    was built for that CUDA major version)."""
+    was built for that CUDA major version; and, where a note names one, whose remedy's environment variable is
+    not set)."""
+    import os
+
     out = []
     for note in STACK_NOTES:
+        if note.get("unless_environ") and note["unless_environ"] in os.environ:
+            continue
         versions = {p: _versions.installed(p) for p in note["ranges"]}
         if not all(versions[p] is not None and _versions.in_range(versions[p], spec)
                    for p, spec in note["ranges"].items()):

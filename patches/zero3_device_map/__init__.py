@@ -25,8 +25,8 @@ Affected versions
     4.48.3 and 4.50.3 a device map or ``low_cpu_mem_usage=True``; 4.51.3, 4.52.4,
     4.53.3 and 4.57.6 a device map (inline in ``from_pretrained``); 5.0.0 to
     5.4.0, 5.15.0 to 5.19.0 and 5.23.0 a device map
-    (``integrations.accelerate.check_and_set_device_map``).  Run: 4.49, 4.57.6
-    and 5.23.0.  Any DeepSpeed with ZeRO-3 (the gate names transformers only:
+    (``integrations.accelerate.check_and_set_device_map``).  Run: 4.49.0 and
+    5.23.0.  Any DeepSpeed with ZeRO-3 (the gate names transformers only:
     the refusal is its code).
     In transformers 5.x a ``torch.device`` context manager is ignored under ZeRO-3
     (no error), and 4.57.6 ignores ``low_cpu_mem_usage``.
@@ -53,6 +53,7 @@ Undo
 
 from __future__ import annotations
 
+import copy
 import re
 
 from zeroshim import _log, _versions
@@ -98,8 +99,9 @@ def _from_pretrained(wrapped, instance, args, kwargs):
         placed = is_active(NAME) and (_passed("device_map", kwargs) or _passed("low_cpu_mem_usage", kwargs))
     if not placed:
         return wrapped(*args, **kwargs)
+    first = {k: (copy.copy(v) if isinstance(v, (dict, list)) else v) for k, v in kwargs.items()}
     try:
-        return wrapped(*args, **kwargs)
+        return wrapped(*args, **first)
     except ValueError as exc:
         drop = None
         with guard(NAME):
@@ -112,8 +114,8 @@ def _from_pretrained(wrapped, instance, args, kwargs):
         for name in drop:
             stats["dropped"][name] = stats["dropped"].get(name, 0) + 1
         _log.acted(NAME, "loading %s under ZeRO-3 without %s",
-                   "transformers %s refuses a device map under ZeRO-3, which places each rank's shard of every "
-                   "parameter on its own accelerator (what the device map asked for)",
+                   "transformers %s refuses it under ZeRO-3, which places each rank's shard of every parameter on "
+                   "that rank's accelerator itself",
                    getattr(instance, "__name__", "the model"),
                    ", ".join(f"{name}={value!r}" for name, value in drop.items()), _versions.shown("transformers"))
     return wrapped(*args, **{k: v for k, v in kwargs.items() if k not in drop})

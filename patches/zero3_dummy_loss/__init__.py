@@ -116,7 +116,10 @@ from zeroshim._patcher import Patcher, guard, require, require_attr
 NAME = "zero3_dummy_loss"
 
 _MUL_NODES = ("MulBackward0", "MulBackward1")
-_mul_type: dict = {}  # autograd node class -> is it one of _MUL_NODES (the walk's per-node test)
+# autograd node class -> is it one of _MUL_NODES (the walk's per-node test).  Only torch's own C++ node classes are
+# kept (module "builtins", made once per process): a Python autograd Function's node class (DeepSpeed ZeRO-3 defines
+# two per module) holds its module, and keeping it would keep every engine ever walked alive.
+_mul_type: dict = {}
 # id -> _SKIP or _ZERO for the parameters a cut term reached, for the backward now running
 # (ids, not a WeakSet: tensors compare elementwise; parameters outlive it).  Where the cut term
 # was a parameter's only path, its DeepSpeed gradient hook still fires, with ``grad`` None: a
@@ -295,7 +298,9 @@ def _strip(loss, cuts: dict, handles: list) -> int:
         kind = type(node)
         mul = is_mul.get(kind)
         if mul is None:
-            mul = is_mul[kind] = kind.__name__ in _MUL_NODES
+            mul = kind.__name__ in _MUL_NODES
+            if kind.__module__ == "builtins":
+                is_mul[kind] = mul
         if mul:
             params = _zero_term_params(node)
             if params:

@@ -1,0 +1,164 @@
+"""Say where ``deepspeed.zero.Init`` rounds a floating ``torch.arange``: position tables built from it are wrong.
+
+Symptom
+    Nothing fails.  A model whose ``__init__`` builds a table from floating
+    ``torch.arange`` values (rotary caches ``cos``/``sin`` over
+    ``torch.arange(max_positions, dtype=torch.float32)``, ALiBi slopes, sinusoidal
+    embeddings: custom and remote-code models) and is built under ZeRO-3 with
+    bf16 or fp16 gets another table than the same model built without ZeRO-3:
+    the arange's values are rounded to bf16 before anything is computed from
+    them (position 1,001 becomes 1,000; above 256 every value is rounded), and
+    the arithmetic on them runs in bf16.  Reproduced: a rotary table of 4,096
+    positions, cos at position 1,001 is -0.400 instead of -0.980; the largest
+    error 2.0 against 0.002 for the table computed in fp32 and cast to bf16.
+
+Cause
+    ``zero.Init`` replaces torch's tensor constructors while the model is built,
+    ``torch.arange`` among them, and casts every floating tensor they return to
+    the engine's dtype.  transformers builds its rotary tables from an ``int64``
+    arange for this reason; code that asks for a floating one is not guarded.
+
+Affected versions
+    Every DeepSpeed read: ``torch.arange = zero_wrapper_for_fp_tensor_constructor(...)``
+    in ``zero.Init`` in the sdists of 0.9.5, 0.12.6, 0.14.1, 0.15.4, 0.17.6 and
+    0.19.8, and the installed 0.16.9; no upstream fix.  With ZeRO-3 and bf16 or
+    fp16.  The source fingerprint is that line.
+
+Flag
+    ``ZEROSHIM_ZERO3_INIT_ARANGE=auto|on|off`` (default ``auto``).
+
+Fix
+    Not a fix: a warning that names the cause.  ``zero_wrapper_for_fp_tensor_constructor``
+    is wrapped so that the ``torch.arange`` ``zero.Init`` installs makes the
+    tensor as DeepSpeed does (its device, then its cast) and, where that is bf16
+    or fp16, compares it with the same arange in float64: where they differ
+    (rounded by the cast, or made in bf16 because the caller asked for the dtype
+    of a tensor the cast made bf16), zeroshim says so once per job at WARNING
+    (how many values, the largest, the dtype) with the remedy:
+    build the table from an ``int64`` arange and convert after (as transformers
+    does: ``torch.arange(n, dtype=torch.int64).float()``), or outside ``zero.Init``.
+    The tensor is DeepSpeed's, bit for bit, so nothing a run computes changes
+    (tested).  Why not a fix: the right values need the arange and everything
+    derived from it computed in the caller's dtype, which leaves the derived
+    buffers (and any parameter made from them) in another dtype than DeepSpeed's;
+    DeepSpeed's engine casts buffers before 0.19 and keeps them from 0.19, so such
+    a fix would change a model's dtypes differently on each release and could
+    make a forward that expects the engine's dtype fail.  A stop would block runs
+    whose aranges never feed a table.  Not said: an arange bf16 keeps exactly
+    (``arange(0, 128, 2)``) whose derived values are computed in bf16 (an
+    ``inv_freq`` less exact than in fp32); warning on every floating arange would
+    also warn where nothing is wrong.  One float64 arange and one comparison per
+    floating arange, at model build time only.
+
+Undo
+    ``zeroshim.unpatch("zero3_init_arange")`` restores the wrapper factory (a
+    ``zero.Init`` entered afterwards warns no more).
+"""
+
+from __future__ import annotations
+
+from zeroshim import _log
+from zeroshim._core import Patch, is_active
+from zeroshim._patcher import Patcher, guard, require_attr
+from zeroshim._source import Fingerprint
+
+NAME = "zero3_init_arange"
+
+#: rounded: floating aranges zero.Init returns rounded (said once per job); exact: floating aranges it returns exactly
+#: (both: in bf16 or fp16 only)
+stats = {"rounded": 0, "exact": 0}
+
+
+def _watch(plain, dtype):
+    """``torch.arange`` as ``zero.Init`` installs it (``plain``: DeepSpeed's own wrapper made without a target dtype,
+    which sets the device; then DeepSpeed's cast to ``dtype``), comparing what it returns with the same arange in
+    float64: a floating arange made in bf16/fp16, by the cast or because the caller asked for that dtype (a position
+    arange in the dtype of an ``inv_freq`` the cast made bf16), is rounded where they differ."""
+    import torch
+
+    low = (torch.bfloat16, torch.float16)
+
+    def arange(*args, **kwargs):
+        tensor = plain(*args, **kwargs)
+        if not tensor.is_floating_point():
+            return tensor
+        cast = tensor.data.to(dtype)
+        with guard(NAME):
+            if is_active(NAME) and cast.dtype in low and cast.numel():
+                exact = plain(*args, **{**kwargs, "dtype": torch.float64})
+                if bool((cast.to(torch.float64) == exact).all()):
+                    stats["exact"] += 1
+                else:
+                    stats["rounded"] += 1
+                    _say(exact, cast.dtype)
+        tensor.data = cast  # DeepSpeed's own cast (zero_wrapper_for_fp_tensor_constructor)
+        return tensor
+
+    return arange
+
+
+def _say(tensor, dtype) -> None:
+    kind = str(dtype).replace("torch.", "")
+    _log.warning("zeroshim[%s]: zero.Init rounds torch.arange values to %s: %d values, the largest %s (%s keeps "
+                 "integers exactly only up to %d), and what the model's __init__ computes from them (rotary or sinusoidal "
+                 "position tables) differs from the model built without ZeRO-3 (the positions are wrong beyond a "
+                 "few hundred tokens). Build such tables from an int64 arange and convert after (torch.arange(n, "
+                 "dtype=torch.int64).float(), as transformers does), or outside zero.Init. zeroshim changes nothing "
+                 "here; %s=off silences this.", NAME, kind, tensor.numel(), tensor.abs().max().item(),
+                 kind, 256 if dtype == _bfloat16() else 2048, "ZEROSHIM_" + NAME.upper(),
+                 scope=_log.RANK0, once=(NAME, "rounded"))
+
+
+def _bfloat16():
+    import torch
+
+    return torch.bfloat16
+
+
+def _make_factory(module):
+    def factory(wrapped, instance, args, kwargs):
+        """Wraps ``zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype[, target_device])`` (positional on
+        DeepSpeed <= 0.16, keywords on 0.19)."""
+        fn = args[0] if args else kwargs.get("fn")
+        dtype = args[1] if len(args) > 1 else kwargs.get("target_fp_dtype")
+        plain = None
+        with guard(NAME):
+            if is_active(NAME) and dtype is not None and fn is getattr(module, "_orig_torch_arange", None):
+                call_args, call_kwargs = list(args), dict(kwargs)
+                if len(call_args) > 1:
+                    call_args[1] = None
+                else:
+                    call_kwargs["target_fp_dtype"] = None
+                plain = wrapped(*call_args, **call_kwargs)
+        if plain is None:
+            return wrapped(*args, **kwargs)
+        return _watch(plain, dtype)
+
+    return factory
+
+
+def patch_partition_parameters(module, patcher: Patcher) -> None:
+    require_attr(module, "zero_wrapper_for_fp_tensor_constructor")
+    require_attr(module, "_orig_torch_arange")
+    patcher.wrap(module, "zero_wrapper_for_fp_tensor_constructor", _make_factory(module))
+
+
+def _reset() -> None:
+    stats["rounded"] = stats["exact"] = 0
+    _log.forget((NAME, "rounded"))
+
+
+PATCH = Patch(
+    changes=("error",),  # changes nothing: the warning names the cause of a silent failure
+    name=NAME,
+    summary="zero.Init rounds floating torch.arange values to bf16/fp16: rotary/sinusoidal position tables built in "
+            "__init__ differ from the model built without ZeRO-3 (silent; zeroshim warns)",
+    signatures=(),  # silent
+    affects={"deepspeed": ""},
+    versions_note="ZeRO-3 with bf16 or fp16",
+    fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters",
+                            r"torch\.arange = zero_wrapper_for_fp_tensor_constructor\(",
+                            "zero.Init's torch.arange wrapper"),
+    targets={"deepspeed.runtime.zero.partition_parameters": patch_partition_parameters},
+    on_undo=_reset,
+)
