@@ -25,8 +25,8 @@ Affected versions
     4.48.3 and 4.50.3 a device map or ``low_cpu_mem_usage=True``; 4.51.3, 4.52.4,
     4.53.3 and 4.57.6 a device map (inline in ``from_pretrained``); 5.0.0 to
     5.4.0, 5.15.0 to 5.19.0 and 5.23.0 a device map
-    (``integrations.accelerate.check_and_set_device_map``).  Run: 4.49.0 and
-    5.23.0.  Any DeepSpeed with ZeRO-3 (the gate names transformers only:
+    (``integrations.accelerate.check_and_set_device_map``).  Run: 4.49.0,
+    4.57.6 and 5.23.0.  Any DeepSpeed with ZeRO-3 (the gate names transformers only:
     the refusal is its code).
     In transformers 5.x a ``torch.device`` context manager is ignored under ZeRO-3
     (no error), and 4.57.6 ignores ``low_cpu_mem_usage``.
