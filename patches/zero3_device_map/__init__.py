@@ -5,7 +5,7 @@ Symptom
     (``device_map="auto"``, ``{"": local_rank}``, ``"cuda"``, a ``torch.device``)
     and is then given a ZeRO-3 DeepSpeed config (``--deepspeed ds_z3.json`` with
     the HF Trainer, or an ``HfDeepSpeedConfig`` made first).  ``from_pretrained``
-    refuses before it reads a weight, on every rank::
+    refuses before it loads a weight, on every rank::
 
         ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.
 
@@ -41,9 +41,12 @@ Fix
     (transformers' own ``is_deepspeed_zero3_enabled()``), is it called once more
     without the refused arguments: the load transformers makes under ZeRO-3
     without a device map (partitioned under ``zero.Init``, the same parameters bit
-    for bit).  The refusal comes before any weight or config is read, so nothing
-    is half-done; an error of the second call is the user's own and is raised as
-    it is.  Quantized loads are treated alike: transformers refuses them too, and
+    for bit).  The refusal comes before any weight is loaded; what transformers
+    reads before it (the config, an adapter's config, the Hub revision) the
+    second call reads again.  The first call gets copies of the dict and list
+    arguments, so what it changes in them (transformers 4.x pops a key from
+    ``adapter_kwargs``) cannot reach the second call, which gets the caller's
+    own.  An error of the second call is the user's own and is raised as it is.  Quantized loads are treated alike: transformers refuses them too, and
     loading them under ZeRO-3 without a device map is what its DeepSpeed guide
     asks.  Only the error goes: said once per job at INFO, with the refused value.
 

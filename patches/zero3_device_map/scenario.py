@@ -15,12 +15,11 @@ a ZeRO-3 load goes through gathers that on gloo with DeepSpeed < 0.19.8 now and 
 
 import gc
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
 
-from common import attempt, begin, enable_zeroshim, end, import_deepspeed
+from common import attempt, begin, enable_zeroshim, end, import_deepspeed, save_tiny_llama
 
 deepspeed = import_deepspeed(fix_gloo_gathers=True)
 NAME = "zero3_device_map"
@@ -29,19 +28,6 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps":
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 #: what scripts pass: accelerate's planner, a rank's device (as a dict, a torch.device, an index)
 FORMS = {"auto": "auto", "dict": {"": "cpu"}, "device": torch.device("cpu"), "index": 0}
-
-
-def save_tiny_llama(out: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = os.path.join(out, "tiny_llama")
-    if dist.get_rank() == 0:
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-        LlamaForCausalLM(config).save_pretrained(path)
-    dist.barrier()
-    return path
 
 
 def digest(model) -> dict:

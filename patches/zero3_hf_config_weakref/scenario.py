@@ -20,12 +20,10 @@ global effects"; a second load afterwards must stay unpartitioned) and
 import gc
 import hashlib
 import logging
-import os
 
 import torch
-import torch.distributed as dist
 
-from common import attempt, begin, enable_zeroshim, end, import_deepspeed
+from common import attempt, begin, enable_zeroshim, end, import_deepspeed, save_tiny_llama
 
 # Every load here goes through ZeRO-3 gathers (transformers' ZeRO-3 load: GatheredParameters with
 # modifier_rank=0), which on gloo with DeepSpeed < 0.19.8 now and then let a late all-gather overwrite
@@ -35,19 +33,6 @@ deepspeed = import_deepspeed(fix_gloo_gathers=True)
 NAME = "zero3_hf_config_weakref"
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-
-
-def save_tiny_llama(out: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = os.path.join(out, "tiny_llama")
-    if dist.get_rank() == 0:
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-        LlamaForCausalLM(config).save_pretrained(path)
-    dist.barrier()
-    return path
 
 
 def build_config_and_drop() -> None:

@@ -98,6 +98,8 @@ def _watch(plain, dtype):
 
 
 def _say(tensor, dtype) -> None:
+    import torch
+
     kind = str(dtype).replace("torch.", "")
     _log.warning("zeroshim[%s]: zero.Init rounds torch.arange values to %s: %d values, the largest %s (%s keeps "
                  "integers exactly only up to %d), and what the model's __init__ computes from them (rotary or sinusoidal "
@@ -105,14 +107,8 @@ def _say(tensor, dtype) -> None:
                  "few hundred tokens). Build such tables from an int64 arange and convert after (torch.arange(n, "
                  "dtype=torch.int64).float(), as transformers does), or outside zero.Init. zeroshim changes nothing "
                  "here; %s=off silences this.", NAME, kind, tensor.numel(), tensor.abs().max().item(),
-                 kind, 256 if dtype == _bfloat16() else 2048, "ZEROSHIM_" + NAME.upper(),
+                 kind, 256 if dtype == torch.bfloat16 else 2048, "ZEROSHIM_" + NAME.upper(),
                  scope=_log.RANK0, once=(NAME, "rounded"))
-
-
-def _bfloat16():
-    import torch
-
-    return torch.bfloat16
 
 
 def _make_factory(module):

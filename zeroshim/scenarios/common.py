@@ -140,6 +140,22 @@ def tiny_llama():
     return LlamaForCausalLM(config)
 
 
+def save_tiny_llama(out: str) -> str:
+    """A 2-layer Llama of width 16 (vocabulary 64), seeded, saved by rank 0 under ``out/tiny_llama`` for
+    ``from_pretrained``; every rank returns the path once it is written."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(out, "tiny_llama")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        LlamaForCausalLM(config).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
 def trainer_ds_config() -> dict:
     """The ZeRO-3 config the HF Trainer scenarios pass (Trainer fills the "auto"s)."""
     return {
