@@ -338,12 +338,15 @@ def test_launcher_activates_every_rank_of_torchrun(tmp_path):
         env = clean_env(LOCAL_SIZE="2")
         if ds_before("0.14.4"):  # that DeepSpeed cannot even be imported without zeroshim
             env["ZEROSHIM_PATCHES"] = "torch_elastic_compat,nonreentrant_checkpoint"
-        with master_port() as port:
-            cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                            "--master_addr", "127.0.0.1", "--master_port", str(port),
-                            str(EXAMPLES / "checkpoint_demo.py"), "--worker", "--stage", "2", "--steps", "2"]
-            code, out, err = _launch.run_group(cmd, env=env, timeout=600, cwd=tmp_path)  # the ranks die with a timeout
-            return subprocess.CompletedProcess(cmd, code, out, err)
+        for _ in range(2):  # again on a new port where another launch beside this one took it first
+            with master_port() as port:
+                cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_addr", "127.0.0.1", "--master_port", str(port),
+                                str(EXAMPLES / "checkpoint_demo.py"), "--worker", "--stage", "2", "--steps", "2"]
+                code, out, err = _launch.run_group(cmd, env=env, timeout=600, cwd=tmp_path)  # ranks die with a timeout
+            if not _launch.port_taken(out + err):
+                break
+        return subprocess.CompletedProcess(cmd, code, out, err)
 
     without = torchrun([])
     if not ds_before("0.14.4"):

@@ -164,3 +164,32 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(os.environ.get("ZSTEST_ENV") not in (None, "ds0.19.8"),
+                    reason="the launcher's port does not depend on the release: runs in ds0.19.8")
+def test_a_launch_whose_port_was_taken_runs_again_on_a_new_one(tmp_path, monkeypatch):
+    """Between free_port() and the store's bind another process may take the port (CI: EADDRINUSE, with a
+    launch of the other xdist worker beside it): the launch runs again, fresh, on a new port."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = _launch.free_port
+    monkeypatch.setattr(_launch, "free_port", lambda: ports.pop() if ports else real())
+    with taken:
+        result = launch(tmp_path, "taken")
+    assert not ports  # the taken port was handed out
+    assert result["returncode"] == 0, result["log"][-3000:]
+    assert result["timing"]["forked"] is False  # the second run was a fresh one
+
+
+def test_free_ports_lie_below_the_kernel_s_ephemeral_range():
+    low, _ = _launch.ephemeral_ports()
+    ports = {_launch.free_port() for _ in range(20)}
+    assert all(_launch.PORTS_FROM <= p < low for p in ports), ports
+    assert _launch.port_taken("... port: 42249, useIpv6: false, code: -98, name: EADDRINUSE, message: address ...")
+    assert not _launch.port_taken("RuntimeError: has already been reduced")

@@ -81,10 +81,49 @@ def module_constant(tree, name: str):
     return None
 
 
+#: the lowest port :func:`free_port` picks
+PORTS_FROM = 20000
+
+
+def ephemeral_ports() -> "tuple[int, int]":
+    """The kernel's range of ephemeral ports (``net.ipv4.ip_local_port_range``; Linux's default where unreadable):
+    the ports every connecting socket and every ``bind(port 0)`` gets, gloo's pair sockets and the ranks'
+    connections to their store included."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(x) for x in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port nothing listens on now, for a launch's store, picked at random *below* the kernel's ephemeral range.
+    A port the kernel handed out (``bind(port 0)``) is one it hands out again: between this call and the launch
+    binding it, any connection of another launch running beside it (2 pytest-xdist workers) may take it, and the
+    launch dies of EADDRINUSE (seen in CI).  Below that range only another :func:`free_port` can pick it: one
+    chance in about 12,000 per launch started in that second, and :func:`launch` then retries on a new port."""
+    import random
+
+    low, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(100 if low > PORTS_FROM + 1000 else 0):
+        port = rng.randrange(PORTS_FROM, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # a range too narrow to pick from: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def port_taken(log: str) -> bool:
+    """Whether a launch's output says its store could not bind its port (another process took it between
+    :func:`free_port` and the bind): a launch that never started, to be retried on a new port."""
+    return "EADDRINUSE" in log or "Address already in use" in log or "address already in use" in log
 
 
 def remove_shm_buffers(port: int) -> None:
@@ -319,19 +358,23 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     env.setdefault("LOCAL_SIZE", str(nproc))
     started = time.time()
     server = _prefork_server(target, nproc, env, args, launcher, out)
-    with master_port() as port:
-        if server is not None:
-            code, log = _forked_launch(server, target, nproc, port, env, args, out, timeout)
-        elif launcher is None and not env.get("ZSLAUNCH_TORCHRUN"):
-            code, log = run_ranks([sys.executable, "-u", scenario(target), "--out", out, *args], nproc, port,
-                                  env=env, timeout=timeout, log_path=os.path.join(out, "log.txt"))
-        else:  # under torchrun itself (a wrapping launcher, or ZSLAUNCH_TORCHRUN=1 in the environment)
-            cmd = list(launcher or []) + [
-                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
-            code, log, _ = run_group(cmd, env=env, timeout=timeout, merge=True)
-            with open(os.path.join(out, "log.txt"), "w") as fh:
-                fh.write(log)
+    for attempt in (1, 2):  # a second time, fresh, where another process took the port before the store bound it
+        with master_port() as port:
+            if server is not None and attempt == 1:
+                code, log = _forked_launch(server, target, nproc, port, env, args, out, timeout)
+            elif launcher is None and not env.get("ZSLAUNCH_TORCHRUN"):
+                code, log = run_ranks([sys.executable, "-u", scenario(target), "--out", out, *args], nproc, port,
+                                      env=env, timeout=timeout, log_path=os.path.join(out, "log.txt"))
+            else:  # under torchrun itself (a wrapping launcher, or ZSLAUNCH_TORCHRUN=1 in the environment)
+                cmd = list(launcher or []) + [
+                    sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_addr", "127.0.0.1", "--master_port", str(port), scenario(target), "--out", out, *args]
+                code, log, _ = run_group(cmd, env=env, timeout=timeout, merge=True)
+                with open(os.path.join(out, "log.txt"), "w") as fh:
+                    fh.write(log)
+        if code == 0 or not port_taken(log) or any(
+                os.path.exists(os.path.join(out, f"rank{r}.json")) for r in range(nproc)):
+            break
     wall = time.time() - started
     ranks, ready = [], []
     for rank in range(nproc):
@@ -349,7 +392,7 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     ready = [t for t in ready if isinstance(t, (int, float))]
     # start-up: from the launch to the last rank done importing torch and DeepSpeed (None where unknown)
     timing = {"wall": round(wall, 2), "startup": round(max(ready) - started, 2) if ready else None,
-              "forked": server is not None}
+              "forked": server is not None and attempt == 1}
     return {"returncode": code, "log": log, "ranks": ranks, "timing": timing}
 
 
