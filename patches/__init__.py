@@ -7,8 +7,10 @@ declaration, ``PATCH``), ``scenario.py`` (its reproduction, run under torchrun),
 ``logs/`` (real logs ``zeroshim explain`` must attribute to it).  Its test is
 ``tests/test_<name>.py``.  The registry below is the one list kept by hand:
 the order in which patches are applied and reported.  Everything else (the
-README's table, the proofs, the patch kit's targets) is derived from it and
-from the declarations; ``tests/test_completeness.py`` checks every piece.
+README's table, the proofs, the patch kit's targets, ``_targets.py``: the
+index of target modules ``import zeroshim`` hooks without importing the
+patches) is derived from it and from the declarations;
+``tests/test_completeness.py`` checks every piece.
 """
 
 PATCH_MODULES = (

@@ -144,6 +144,13 @@ def test_each_patch_page_is_generated_from_its_declaration():
         assert (folder / file).read_text() == text, f"{file} is stale: run `python -m zeroshim._docs README.md`"
 
 
+def test_the_index_of_targets_is_generated_from_the_declarations():
+    """patches/_targets.py (what ``import zeroshim`` hooks, without importing the patches) is what zeroshim._docs
+    produces now, and names the same targets as each declaration."""
+    assert (REPO / _docs.INDEX).read_text() == _docs.render_targets(), \
+        f"{_docs.INDEX} is stale: run `python -m zeroshim._docs README.md`"
+
+
 def _noxfile_literal(name: str):
     """A module-level literal of noxfile.py (read, not imported: nox need not be installed here)."""
     tree = ast.parse((REPO / "noxfile.py").read_text())

@@ -4,6 +4,7 @@ fingerprints: test_source.py).  Targets are small throw-away modules written to 
 imported for real (no mocks of the import system)."""
 
 import importlib
+import json
 import logging
 import os
 import subprocess
@@ -23,6 +24,30 @@ def test_import_zeroshim_imports_no_heavy_package(tmp_path):
     code = ("import sys, zeroshim; heavy = [m for m in %r if m in sys.modules]; "
             "assert not heavy, heavy; print(zeroshim.report())" % (HEAVY + ("wrapt", "packaging"),))
     assert "nonreentrant_checkpoint" in python(code, tmp_path).stdout
+
+
+def test_import_zeroshim_imports_no_patch_and_a_target_imports_its_patches(tmp_path):
+    """``import zeroshim`` knows the patches' targets from the generated index (issue #47 item 8: its own import
+    time); a patch's module is imported when one of its targets is, and then applies."""
+    code = ("import json, sys, zeroshim; loaded = lambda: sorted(m.rsplit('.', 1)[1] for m in sys.modules "
+            "if m.startswith('zeroshim.patches.') and m != 'zeroshim.patches._targets'); "
+            "assert loaded() == [], loaded(); import torch.utils.data.dataloader, torch.optim.lr_scheduler; "
+            "print(json.dumps([loaded(), str(zeroshim.status()['offload_worker_fork'])]))")
+    loaded, status = json.loads(python(code, tmp_path).stdout.splitlines()[-1])
+    assert {"offload_worker_fork", "scheduler_dropped_groups"} <= set(loaded), loaded
+    assert "zero3_device_map" not in loaded and "zero3_dummy_loss" not in loaded  # transformers/DeepSpeed ones
+    assert "waiting for deepspeed.runtime.engine" in status  # its torch target applied; the other is awaited
+
+
+def test_an_index_naming_other_patches_is_not_used():
+    """An index naming other patches than the registry (a source checkout edited without regenerating it) is
+    not read: every patch is imported at once instead, as before the index."""
+    names = list(zeroshim.patch_names()[:len(_core._patches_package().PATCH_MODULES)])
+    index = _core._read_index(names)
+    assert index is not None and list(index) == names
+    assert index["zero3_peft_save"] == (tuple(zeroshim.get_patch("zero3_peft_save").targets),
+                                        zeroshim.get_patch("zero3_peft_save").optional)
+    assert _core._read_index(names[:-1]) is None and _core._read_index(names[::-1]) is None
 
 
 # -- hooks and application ----------------------------------------------------------

@@ -19,7 +19,7 @@ from . import _agree, _flags, _hooks, _log, _versions
 from ._patcher import NotAffected, Patcher, TargetChanged
 
 if TYPE_CHECKING:  # typing costs import time; annotations are strings anyway
-    from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+    from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
     ApplyFn = Callable[[object, Patcher], None]
 
@@ -60,28 +60,94 @@ _overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}, "
 _unpatched: "Set[str]" = set()
 _agreed_off: "Dict[str, str]" = {}  # patch -> why every rank turned it off (``_agree``: the ranks disagreed)
 _modules: "Dict[str, object]" = {}  # patch name -> its module (zeroshim.patches.<name>)
+_order: "List[str]" = []  # every known patch, in the registry's order (the shipped ones, then registered ones)
+#: a shipped patch not imported yet -> its targets and its optional ones, from the generated index
+_declared: "Dict[str, Tuple[Tuple[str, ...], FrozenSet[str]]]" = {}
+_stale: "Set[str]" = set()  # patches imported whose targets the index named otherwise
+#: the generated index of the shipped patches' targets (written by ``python -m zeroshim._docs``)
+INDEX = "zeroshim.patches._targets"
 
 
 # -- registry -----------------------------------------------------------------------
-def load_patches() -> Dict[str, Patch]:
-    """Import the patch modules listed in ``zeroshim.patches`` (cheap: they import
-    nothing heavy at module level)."""
+def _known() -> "List[str]":
+    """Every patch's name, in the registry's order.  A shipped patch's module is imported when one of its targets
+    is, or when its declaration is asked for (:func:`get_patch`, :func:`load_patches`): ``import zeroshim``
+    knows the names and targets from the index :data:`INDEX`, generated from the declarations, and imports no
+    patch (issue #47 item 8: in every process ``zeroshim-run`` starts).  Without a usable index (absent, or
+    naming other patches than the registry) every patch is imported here, as before."""
+    if _order:
+        return _order
     with _lock:
-        if not _patches:
-            from importlib import import_module
+        if not _order:
+            names = list(_patches_package().PATCH_MODULES)
+            index = _read_index(names)
+            for name in names:
+                _states.setdefault(name, _State())
+            if index is None:
+                for name in names:
+                    _load(name)
+            else:
+                _declared.update(index)
+            _order.extend(names)
+    return _order
 
-            package = _patches_package()
-            for module_name in package.PATCH_MODULES:
-                module = import_module(f"zeroshim.patches.{module_name}")
-                patch: Patch = module.PATCH
-                if patch.name in _patches:  # pragma: no cover - a packaging mistake
-                    raise RuntimeError(f"two zeroshim patches are named {patch.name!r}")
-                if not patch.doc:
-                    patch.doc = module.__doc__ or ""
-                _patches[patch.name] = patch
-                _states[patch.name] = _State()
-                _modules[patch.name] = module
-        return _patches
+
+def _read_index(names: "List[str]") -> "Optional[Dict[str, Tuple[Tuple[str, ...], FrozenSet[str]]]]":
+    from importlib import import_module
+
+    try:
+        index = import_module(INDEX)
+        targets, optional = dict(index.TARGETS), dict(index.OPTIONAL)
+        if list(targets) != names:
+            return None
+        return {name: (tuple(targets[name]), frozenset(optional.get(name, ()))) for name in names}
+    except Exception:  # an index that cannot be read: import the patches instead
+        return None
+
+
+def _load(name: str) -> Patch:
+    """Import shipped patch ``name``'s module (once): its declaration."""
+    patch = _patches.get(name)
+    if patch is not None:
+        return patch
+    from importlib import import_module
+
+    module = import_module(f"zeroshim.patches.{name}")
+    with _lock:
+        if name in _patches:
+            return _patches[name]
+        patch = module.PATCH
+        if patch.name != name:  # pragma: no cover - a packaging mistake
+            raise RuntimeError(f"zeroshim.patches.{name} declares a patch named {patch.name!r}")
+        if not patch.doc:
+            patch.doc = module.__doc__ or ""
+        _modules[name] = module
+        _patches[name] = patch
+        declared = _declared.pop(name, None)
+        if declared is not None and (tuple(patch.targets), patch.optional) != declared:
+            # a stale index (a source checkout edited without regenerating it): its targets are the ones it
+            # declares; the next sync() watches those it did not know
+            log.debug("zeroshim: the index of patch targets is stale for %s", name)
+            _stale.add(name)
+    return patch
+
+
+def _targets(name: str) -> "Tuple[Tuple[str, ...], FrozenSet[str]]":
+    """A known patch's targets and optional targets, without importing it."""
+    patch = _patches.get(name)
+    if patch is not None:
+        return tuple(patch.targets), patch.optional
+    return _declared[name]
+
+
+def load_patches() -> Dict[str, Patch]:
+    """Every patch's declaration, in the registry's order (imports the patch modules not imported yet; cheap:
+    they import nothing heavy at module level)."""
+    names = _known()
+    for name in names:
+        if name not in _patches:
+            _load(name)
+    return {name: _patches[name] for name in names}
 
 
 def _patches_package():
@@ -111,11 +177,11 @@ def register(patch: Patch) -> None:
     """Add a patch that does not live in ``zeroshim.patches`` (tests, plugins)
     and sync it.  Registering the same name twice is an error."""
     with _lock:
-        load_patches()
-        if patch.name in _patches:
+        if patch.name in _known():
             raise ValueError(f"a zeroshim patch named {patch.name!r} is already registered")
         _patches[patch.name] = patch
         _states[patch.name] = _State()
+        _order.append(patch.name)
         value = _os.environ.get(patch.flag)
         if _env_settings is not None and value is not None:  # its ZEROSHIM_<NAME>
             _env_settings.modes[patch.name] = _flags.parse_mode(value, patch.flag)
@@ -126,17 +192,21 @@ def register(patch: Patch) -> None:
 def deregister(name: str) -> None:
     """Undo and forget a patch added by :func:`register`."""
     with _lock:
-        patch, state = _patches.pop(name), _states.pop(name)
-        _undo(patch, state, DISABLED, "deregistered")
+        state = _states[name]
+        _undo(name, state, DISABLED, "deregistered")
+        _patches.pop(name), _states.pop(name), _order.remove(name)
         _unpatched.discard(name)
 
 
 def patch_names() -> Tuple[str, ...]:
-    return tuple(load_patches())
+    return tuple(_known())
 
 
 def get_patch(name: str) -> Patch:
-    return load_patches()[name]
+    """Patch ``name``'s declaration (``KeyError`` for a name no patch has)."""
+    if name not in _known():
+        raise KeyError(name)
+    return _load(name)
 
 
 # -- introspection (public: scenarios, tests and other libraries use these, never private state) --
@@ -159,9 +229,9 @@ class Change(tuple):
 def stats(name: str) -> dict:
     """A copy of what patch ``name`` has done in this process (its own
     counters, e.g. ``{"gathered": 2}``); ``{}`` for a patch that keeps none."""
-    load_patches()
-    if name not in _patches:
-        _known([name], "stats")
+    _check_names([name], "stats")
+    if name in _declared:
+        _load(name)
     return dict(getattr(_modules.get(name), "stats", None) or {})
 
 
@@ -175,9 +245,7 @@ def changes(name: str) -> "List[Change]":
     if name in SHARED:
         patcher = SHARED[name]
     else:
-        load_patches()
-        if name not in _patches:
-            _known([name], "changes")
+        _check_names([name], "changes")
         patcher = _states[name].patcher
     records = list(patcher._changes) if patcher is not None else []
     return [Change(owner, attr, None if previous is _MISSING else previous, value)
@@ -263,7 +331,7 @@ def reset_overrides() -> None:
     sync()
 
 
-def _known(names: Iterable[str], where: str) -> List[str]:
+def _check_names(names: Iterable[str], where: str) -> List[str]:
     """``names``, or ``ValueError`` naming the valid ones if one is unknown."""
     valid = patch_names()
     unknown = [name for name in names if name not in valid]
@@ -277,7 +345,7 @@ def apply(*names: str) -> Dict[str, PatchStatus]:
     """Apply the named patches (default: all) as far as the flags allow; cancels
     an earlier :func:`unpatch`.  Idempotent."""
     with _lock:
-        for name in _known(names, "zeroshim.apply()") if names else patch_names():
+        for name in _check_names(names, "zeroshim.apply()") if names else patch_names():
             _unpatched.discard(name)
     sync()
     return status()
@@ -287,7 +355,7 @@ def unpatch(*names: str) -> Dict[str, PatchStatus]:
     """Undo the named patches (default: all), restoring the original objects, and
     keep them off until :func:`apply`."""
     with _lock:
-        _unpatched.update(_known(names, "zeroshim.unpatch()") if names else patch_names())
+        _unpatched.update(_check_names(names, "zeroshim.unpatch()") if names else patch_names())
     sync()
     return status()
 
@@ -302,16 +370,16 @@ def sync() -> None:
     watch: "List[Tuple[str, str]]" = []
     with _lock:
         settings = _settings()
-        patches = load_patches()
-        decided = {name: settings.decide(name) for name in patches}
+        names = list(_known())
+        decided = {name: settings.decide(name) for name in names}
         agree = any(mode != "off" for mode, _ in decided.values())
         # Undo newest first: two patches may wrap the same attribute (the later one's wrapper outside the
         # earlier one's), and each puts back only what it set itself.
-        for name, patch in reversed(list(patches.items())):
+        for name in reversed(names):
             state = _states[name]
             if not state.sticky and decided[name][0] == "off":
-                _undo(patch, state, DISABLED, decided[name][1])
-        for name, patch in patches.items():
+                _undo(name, state, DISABLED, decided[name][1])
+        for name in names:
             state = _states[name]
             if state.sticky:  # its target changed or it failed: stays skipped/failed
                 continue
@@ -322,13 +390,13 @@ def sync() -> None:
                 state.state, state.reason = PENDING, ""
                 state.undo_after = None  # wanted again before another thread's apply ended: keep what it did
             state.mode, state.why = mode, why
-            if state.gate is not None and not _gate(patch, state):  # gate known already
+            if state.gate is not None and not _gate(_load(name), state):  # gate known already
                 continue
-            for module_name in patch.targets:
+            for module_name in _targets(name)[0]:
                 if module_name not in state.done and (name, module_name) not in _waiting:
                     _waiting.add((name, module_name))
                     watch.append((name, module_name))
-            _refresh(patch, state)
+            _refresh(name, state)
     if agree:
         _agree.install()  # every rank with zeroshim on says what it decided, before engines are built
     else:
@@ -384,7 +452,7 @@ def _gate(patch: Patch, state: _State) -> bool:
         state.gate = gate_verdict(patch)
     affected, reason = state.gate
     if not affected:
-        _undo(patch, state, SKIPPED, reason)
+        _undo(patch.name, state, SKIPPED, reason)
         return False
     if state.state == SKIPPED:
         state.state = PENDING
@@ -403,7 +471,23 @@ def _on_import(name: str, module_name: str, module: object) -> None:
     (issue #47 item 4): an apply function may import (a DeepSpeed submodule), and another thread importing that
     module fires hooks that need ``_lock`` while it holds the module's import lock -- applying under ``_lock``
     deadlocked there.  One thread applies a given patch at a time; targets of it that arrive meanwhile (from
-    another thread, or from an import inside its own apply function) are applied by that thread next."""
+    another thread, or from an import inside its own apply function) are applied by that thread next.  The
+    patch's own module is imported here, outside ``_lock``, where ``import zeroshim`` did not."""
+    if name not in _patches:
+        try:
+            patch = _load(name)
+        except Exception as exc:  # never break the user's import
+            with _lock:
+                state = _states.get(name)
+                if state is not None and not state.sticky:
+                    _undo(name, state, FAILED, f"its module could not be imported: {exc!r}")
+                    state.sticky = True
+            _log.warning("zeroshim: could not import patch %s; it is left off", name,
+                         exc_info=(type(exc), exc, exc.__traceback__))
+            return
+        if name in _stale:  # the index named other targets: watch the ones it did not name
+            _stale.discard(name)
+            sync()
     with _lock:
         _waiting.discard((name, module_name))
         state = _states.get(name)
@@ -437,7 +521,7 @@ def _idle(name: str, state: _State) -> None:
         new_state, reason = state.undo_after
         state.undo_after = None
         state.state = PENDING  # (``_undo`` set the new state already; it undoes what was applied now)
-        _undo(_patches[name], state, new_state, reason)
+        _undo(name, state, new_state, reason)
 
 
 def _apply_target(name: str, module_name: str, module: object) -> None:
@@ -458,12 +542,12 @@ def _apply_target(name: str, module_name: str, module: object) -> None:
         apply_fn(module, patcher)
     except NotAffected as exc:
         with _lock:
-            _undo(patch, state, SKIPPED, f"not affected: {exc}")
+            _undo(name, state, SKIPPED, f"not affected: {exc}")
             state.sticky = True
         return
     except TargetChanged as exc:
         with _lock:
-            _undo(patch, state, SKIPPED, f"target changed: {exc}")
+            _undo(name, state, SKIPPED, f"target changed: {exc}")
             state.sticky = True
         _log.warning("zeroshim: skipped %s: %s", name, state.reason)
         return
@@ -474,23 +558,25 @@ def _apply_target(name: str, module_name: str, module: object) -> None:
     with _lock:
         state.done.add(module_name)
         if state.undo_after is None:  # (turned off meanwhile: _idle undoes all of it when this thread is done)
-            _refresh(patch, state)
+            _refresh(name, state)
 
 
 def _failed(patch: Patch, state: _State, module_name: str, exc: Exception) -> None:
-    _undo(patch, state, FAILED, f"error while patching {module_name}: {exc!r}")
+    _undo(patch.name, state, FAILED, f"error while patching {module_name}: {exc!r}")
     state.sticky = True
     _log.warning("zeroshim: could not apply %s; it is left off", patch.name, exc_info=(type(exc), exc,
                                                                                       exc.__traceback__))
 
 
-def _refresh(patch: Patch, state: _State) -> None:
-    if state.state == PENDING and state.done.issuperset(patch.required):
+def _refresh(name: str, state: _State) -> None:
+    targets, optional = _targets(name)
+    if state.state == PENDING and state.done.issuperset(set(targets) - optional):
+        patch = _load(name)
         state.state = APPLIED
-        _log.info("zeroshim: applied %s (%s): %s", patch.name, state.reason, patch.summary)
+        _log.info("zeroshim: applied %s (%s): %s", name, state.reason, patch.summary)
 
 
-def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
+def _undo(name: str, state: _State, new_state: str, reason: str) -> None:
     if state.busy is not None and state.busy != threading.get_ident():
         # another thread is applying this patch: it undoes what it applied when its apply returns; from now
         # on the patch is not active (its wrappers pass calls through)
@@ -503,11 +589,12 @@ def _undo(patch: Patch, state: _State, new_state: str, reason: str) -> None:
         state.patcher = None
     state.done.clear()
     if was_applied:
-        _log.forget((patch.name, "acted"))  # applied again later, it says so again when it acts
-        if patch.on_undo is not None:
+        _log.forget((name, "acted"))  # applied again later, it says so again when it acts
+        patch = _patches.get(name)  # (imported: it applied)
+        if patch is not None and patch.on_undo is not None:
             patch.on_undo()
     if was_applied or state.state != new_state:
-        log.debug("zeroshim: %s is %s: %s", patch.name, new_state, reason)
+        log.debug("zeroshim: %s is %s: %s", name, new_state, reason)
     state.state, state.reason = new_state, reason
 
 
@@ -532,8 +619,9 @@ def check_bypasses() -> "Dict[str, str]":
     engine's first forward, and by :func:`status`); ``{patch: finding}``."""
     with _lock:
         found = {}
-        for name, patch in load_patches().items():
-            finding = _bypassed(patch, _states[name])
+        for name in _known():  # (an applied patch is imported)
+            patch = _patches.get(name)
+            finding = _bypassed(patch, _states[name]) if patch is not None else None
             if finding:
                 found[name] = finding
         return found

@@ -169,6 +169,25 @@ def render_index() -> str:
     return "\n".join(lines) + "\n"
 
 
+INDEX = "patches/_targets.py"  # relative to the README's folder (shipped as zeroshim.patches._targets)
+
+
+def render_targets() -> str:
+    """The index ``import zeroshim`` reads instead of importing the patches (``zeroshim._core._known``): each
+    patch's target modules, in the registry's order, and the optional ones."""
+    from ._core import load_patches
+
+    patches = load_patches()
+    lines = ['"""Generated from the patches\' declarations by ``python -m zeroshim._docs README.md``; do not edit.',
+             "",
+             "Each patch's target modules (and the optional ones), so that ``import zeroshim`` hooks them without",
+             'importing the patches; a patch is imported when one of its targets is."""', "", "TARGETS = {"]
+    lines += [f"    {name!r}: {tuple(patch.targets)!r}," for name, patch in patches.items()]
+    lines += ["}", "OPTIONAL = {"]
+    lines += [f"    {name!r}: {tuple(sorted(patch.optional))!r}," for name, patch in patches.items() if patch.optional]
+    return "\n".join(lines + ["}", ""])
+
+
 def pages() -> "dict[str, str]":
     """docs/patches/ as it must be: file name -> text."""
     from ._core import patch_names
@@ -276,8 +295,16 @@ def main(argv=None) -> int:
         readme = fh.read()
     new = replace_block(readme, render())
     wanted = pages()
+    index_path = os.path.join(os.path.dirname(os.path.abspath(path)), INDEX)
+    index = render_targets()
     if check:
         stale = [path] if new != readme else []
+        try:
+            with open(index_path, encoding="utf-8") as fh:
+                if fh.read() != index:
+                    stale.append(INDEX)
+        except OSError:
+            stale.append(INDEX)
         for file, text in wanted.items():
             try:
                 with open(os.path.join(folder, file), encoding="utf-8") as fh:
@@ -294,6 +321,8 @@ def main(argv=None) -> int:
         return 0
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(new)
+    with open(index_path, "w", encoding="utf-8") as fh:
+        fh.write(index)
     os.makedirs(folder, exist_ok=True)
     for file in set(os.listdir(folder)) - set(wanted):
         os.remove(os.path.join(folder, file))
