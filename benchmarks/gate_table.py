@@ -190,6 +190,8 @@ REQUIREMENTS = {
     "zero3_init_arange": [("attr", "deepspeed.runtime.zero.partition_parameters",
                            "zero_wrapper_for_fp_tensor_constructor"),
                           ("attr", "deepspeed.runtime.zero.partition_parameters", "_orig_torch_arange")],
+    "bf16_zero1_last_microbatch": [("attr", E, "DeepSpeedEngine._backward_epilogue"),
+                                   ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.backward_epilogue")],
 }
 
 

@@ -50,4 +50,5 @@ PATCH_MODULES = (
     "warmup_zero_steps",
     "zero3_device_map",
     "zero3_init_arange",
+    "bf16_zero1_last_microbatch",
 )

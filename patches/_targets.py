@@ -40,6 +40,7 @@ TARGETS = {
     'warmup_zero_steps': ('deepspeed.runtime.lr_schedules',),
     'zero3_device_map': ('transformers.modeling_utils',),
     'zero3_init_arange': ('deepspeed.runtime.zero.partition_parameters',),
+    'bf16_zero1_last_microbatch': ('deepspeed.runtime.bf16_optimizer', 'deepspeed.runtime.engine'),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
