@@ -39,6 +39,15 @@ def test_import_zeroshim_imports_no_patch_and_a_target_imports_its_patches(tmp_p
     assert "waiting for deepspeed.runtime.engine" in status  # its torch target applied; the other is awaited
 
 
+def test_a_needed_patch_not_imported_yet_counts_as_registered(tmp_path):
+    """``missing_dependency`` asks about a needed patch whose module no target has imported yet: it is registered
+    (pending), not missing."""
+    code = ("import sys, zeroshim; from zeroshim import _core; "
+            "assert 'zeroshim.patches.zero3_frozen_recompute' not in sys.modules; "
+            "print(_core.missing_dependency('nonreentrant_checkpoint'))")
+    assert python(code, tmp_path).stdout.split()[-1] == "None"
+
+
 def test_an_index_naming_other_patches_is_not_used():
     """An index naming other patches than the registry (a source checkout edited without regenerating it) is
     not read: every patch is imported at once instead, as before the index."""

@@ -635,9 +635,9 @@ def missing_dependency(name: str) -> "Optional[Tuple[str, str, str]]":
     patch is active or its bug is absent here."""
     with _lock:
         for dep, when in get_patch(name).needs.items():
-            patch, state = _patches.get(dep), _states.get(dep)
-            if patch is None or state is None:
+            if dep not in _known():
                 return dep, when, "it is not registered"
+            patch, state = _load(dep), _states[dep]
             if state.state in (APPLIED, PENDING) or state.reason.startswith("not affected"):
                 continue
             if not gate_verdict(patch)[0]:
