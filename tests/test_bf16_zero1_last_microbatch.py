@@ -12,8 +12,13 @@ AFFECTED = not ds_before("0.18.3") and ds_before("0.19.0")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return torchrun("bf16_zero1_last_microbatch", 2, tmp_path_factory.mktemp("bf16z1"))["ranks"]
+def launched(tmp_path_factory):
+    return torchrun("bf16_zero1_last_microbatch", 2, tmp_path_factory.mktemp("bf16z1"))
+
+
+@pytest.fixture(scope="module")
+def ranks(launched):
+    return launched["ranks"]
 
 
 def test_proof(ranks):
@@ -66,3 +71,10 @@ def test_other_optimizers_are_left_alone(ranks):
 def test_status_follows_the_range(ranks):
     state = ranks[0]["status"]
     assert state["state"] == ("applied" if AFFECTED else "skipped"), state
+
+
+def test_the_change_is_said_once_per_job_where_it_changes_numbers(launched):
+    """Once for the job (both ranks act), never for the reference runs (zeroshim not enabled yet) nor where the
+    patch is not affected."""
+    said = launched["log"].count("zeroshim[bf16_zero1_last_microbatch]: copied the boundary micro-batch")
+    assert said == (1 if AFFECTED else 0), launched["log"][-3000:]

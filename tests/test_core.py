@@ -41,11 +41,38 @@ def test_import_zeroshim_imports_no_patch_and_a_target_imports_its_patches(tmp_p
 
 def test_a_needed_patch_not_imported_yet_counts_as_registered(tmp_path):
     """``missing_dependency`` asks about a needed patch whose module no target has imported yet: it is registered
-    (pending), not missing."""
-    code = ("import sys, zeroshim; from zeroshim import _core; "
+    (pending), not missing; turned off by its flag, it is missing where its bug exists here, and not needed where
+    it does not."""
+    code = ("import json, sys, zeroshim; from zeroshim import _core; "
             "assert 'zeroshim.patches.zero3_frozen_recompute' not in sys.modules; "
-            "print(_core.missing_dependency('nonreentrant_checkpoint'))")
-    assert python(code, tmp_path).stdout.split()[-1] == "None"
+            "print(json.dumps([_core.missing_dependency('nonreentrant_checkpoint'), "
+            "_core.gate_verdict(_core.get_patch('zero3_frozen_recompute'))[0]]))")
+    missing, _ = json.loads(python(code, tmp_path).stdout.splitlines()[-1])
+    assert missing is None
+    env = {**os.environ, "ZEROSHIM_ZERO3_FROZEN_RECOMPUTE": "off"}
+    missing, affected = json.loads(python(code, tmp_path, env=env).stdout.splitlines()[-1])
+    if affected:
+        assert missing[0] == "zero3_frozen_recompute" and "is disabled" in missing[2], missing
+    else:
+        assert missing is None
+
+
+def test_a_deregistered_patch_s_target_imports_without_a_word(target, registry, caplog):
+    patch = registry(targets={target: wrap_f()})
+    _core.deregister(patch.name)
+    with caplog.at_level(logging.DEBUG, logger="zeroshim"):
+        module = importlib.import_module(target)
+    assert module.f(2) == 4
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_target_a_stale_index_named_is_left_alone(target, monkeypatch):
+    """A hook for a target the index named but the declaration does not: the import goes through untouched."""
+    name = "zero3_device_map"
+    _core.get_patch(name)
+    monkeypatch.setattr(_core, "_waiting", set(_core._waiting) | {(name, target)})
+    _core._on_import(name, target, importlib.import_module(target))  # (as the hook would call it)
+    assert target not in _core._states[name].done
 
 
 def test_an_index_naming_other_patches_is_not_used():

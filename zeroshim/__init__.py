@@ -52,9 +52,9 @@ def epoch_boundary(engine=None) -> dict:
     ``zeroshim.patches.epoch_boundary.epoch_boundary``)."""
     from importlib import import_module
 
-    from ._core import load_patches
+    from ._core import get_patch
 
-    load_patches()
+    get_patch("epoch_boundary")
     return import_module("zeroshim.patches.epoch_boundary").epoch_boundary(engine)
 
 _configure_logging()

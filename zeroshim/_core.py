@@ -473,9 +473,11 @@ def _on_import(name: str, module_name: str, module: object) -> None:
     deadlocked there.  One thread applies a given patch at a time; targets of it that arrive meanwhile (from
     another thread, or from an import inside its own apply function) are applied by that thread next.  The
     patch's own module is imported here, outside ``_lock``, where ``import zeroshim`` did not."""
-    if name not in _patches:
+    if name not in _states:  # deregistered meanwhile
+        return
+    if name in _declared:
         try:
-            patch = _load(name)
+            _load(name)
         except Exception as exc:  # never break the user's import
             with _lock:
                 state = _states.get(name)
@@ -527,7 +529,8 @@ def _idle(name: str, state: _State) -> None:
 def _apply_target(name: str, module_name: str, module: object) -> None:
     with _lock:
         patch, state = _patches.get(name), _states.get(name)
-        if patch is None or state is None or state.state not in (PENDING, APPLIED) or module_name in state.done:
+        if patch is None or state is None or state.state not in (PENDING, APPLIED) or module_name in state.done \
+                or module_name not in patch.targets:  # (a target a stale index named)
             return  # (an optional target may arrive after the patch is applied)
         try:
             if not _gate(patch, state):
@@ -633,11 +636,15 @@ def missing_dependency(name: str) -> "Optional[Tuple[str, str, str]]":
     (its version gate says affected) but which is not active, as ``(needed
     patch, when it is needed, why it is not active)``; None if every needed
     patch is active or its bug is absent here."""
+    needs = get_patch(name).needs
+    for dep in needs:  # their declarations, imported before taking _lock
+        if dep in _declared:
+            _load(dep)
     with _lock:
-        for dep, when in get_patch(name).needs.items():
-            if dep not in _known():
+        for dep, when in needs.items():
+            patch, state = _patches.get(dep), _states.get(dep)
+            if patch is None or state is None:
                 return dep, when, "it is not registered"
-            patch, state = _load(dep), _states[dep]
             if state.state in (APPLIED, PENDING) or state.reason.startswith("not affected"):
                 continue
             if not gate_verdict(patch)[0]:

@@ -72,19 +72,28 @@ def _epilogue(wrapped, instance, args, kwargs):
     if optimizer is None:
         return wrapped(*args, **kwargs)
     optimizer.backward_epilogue()  # the fp32 accumulators get this micro-batch before the all-reduce (0.19.0)
-    stats["reordered"] += 1
-    world = _world_size(instance)
-    if world > 1 and not getattr(optimizer, "immediate_grad_update", False):
-        _log.acted(NAME, "copied the boundary micro-batch's bf16 gradients into the fp32 accumulators before the "
-                         "all-reduce (DeepSpeed 0.19.0's order), so every rank steps with the average over the %d "
-                         "ranks", "DeepSpeed %s all-reduces BF16_Optimizer's fp32 gradients before adding the last "
-                   "micro-batch of each accumulation, which then stays rank-local", world,
-                   _versions.shown("deepspeed"))
+    with guard(NAME):
+        stats["reordered"] += 1
+        if _changes_numbers(instance, optimizer):
+            _log.acted(NAME, "copied the boundary micro-batch's bf16 gradients into the fp32 accumulators before "
+                             "the all-reduce (DeepSpeed 0.19.0's order), so every rank steps with the average over "
+                             "the %d ranks", "DeepSpeed %s all-reduces BF16_Optimizer's fp32 gradients before adding "
+                       "the last micro-batch of each accumulation, which then stays rank-local",
+                       instance.dp_world_size, _versions.shown("deepspeed"))
     previous, _early.optimizer = getattr(_early, "optimizer", None), optimizer
     try:
         return wrapped(*args, **kwargs)
     finally:
         _early.optimizer = previous
+
+
+def _changes_numbers(engine, optimizer) -> bool:
+    """Whether the new order changes this backward's numbers: the original all-reduces here (the boundary of an
+    accumulation, outside ``no_sync``, not a pipeline engine, which reduces elsewhere) over several ranks, and the
+    optimizer copies in its epilogue (not ``immediate_grad_update``)."""
+    return (int(getattr(engine, "dp_world_size", 1)) > 1 and getattr(engine, "enable_backward_allreduce", False)
+            and not getattr(engine, "inside_no_sync_ctxt", False) and engine.is_gradient_accumulation_boundary()
+            and not getattr(optimizer, "immediate_grad_update", False))
 
 
 def _backward_epilogue(wrapped, instance, args, kwargs):
@@ -93,13 +102,6 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
         _early.optimizer = None  # once: the original's call after the all-reduce
         return None
     return wrapped(*args, **kwargs)
-
-
-def _world_size(engine) -> int:
-    try:
-        return int(engine.dp_world_size)
-    except Exception:
-        return 1
 
 
 def patch_engine(module, patcher: Patcher) -> None:
