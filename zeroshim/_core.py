@@ -143,11 +143,7 @@ def _targets(name: str) -> "Tuple[Tuple[str, ...], FrozenSet[str]]":
 def load_patches() -> Dict[str, Patch]:
     """Every patch's declaration, in the registry's order (imports the patch modules not imported yet; cheap:
     they import nothing heavy at module level)."""
-    names = _known()
-    for name in names:
-        if name not in _patches:
-            _load(name)
-    return {name: _patches[name] for name in names}
+    return {name: _load(name) for name in _known()}  # (a registered patch is in _patches: _load returns it)
 
 
 def _patches_package():
@@ -229,9 +225,7 @@ class Change(tuple):
 def stats(name: str) -> dict:
     """A copy of what patch ``name`` has done in this process (its own
     counters, e.g. ``{"gathered": 2}``); ``{}`` for a patch that keeps none."""
-    _check_names([name], "stats")
-    if name in _declared:
-        _load(name)
+    _load(_check_names([name], "stats")[0])
     return dict(getattr(_modules.get(name), "stats", None) or {})
 
 

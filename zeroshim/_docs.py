@@ -284,6 +284,15 @@ def replace_block(readme: str, block: str) -> str:
     return readme[:start] + block + readme[end:]
 
 
+def _read(path: str) -> "str | None":
+    """A generated file's text as it is now (None where it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
 def main(argv=None) -> int:
     import os
 
@@ -299,20 +308,9 @@ def main(argv=None) -> int:
     index = render_targets()
     if check:
         stale = [path] if new != readme else []
-        try:
-            with open(index_path, encoding="utf-8") as fh:
-                if fh.read() != index:
-                    stale.append(INDEX)
-        except OSError:
-            stale.append(INDEX)
-        for file, text in wanted.items():
-            try:
-                with open(os.path.join(folder, file), encoding="utf-8") as fh:
-                    current = fh.read()
-            except OSError:
-                current = None
-            if current != text:
-                stale.append(os.path.join(PAGES, file))
+        stale += [INDEX] if _read(index_path) != index else []
+        stale += [os.path.join(PAGES, file) for file, text in wanted.items()
+                  if _read(os.path.join(folder, file)) != text]
         extra = sorted(set(os.listdir(folder)) - set(wanted)) if os.path.isdir(folder) else []
         stale += [os.path.join(PAGES, f) + " (no such patch)" for f in extra]
         if stale:

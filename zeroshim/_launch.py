@@ -123,7 +123,7 @@ def free_port() -> int:
 def port_taken(log: str) -> bool:
     """Whether a launch's output says its store could not bind its port (another process took it between
     :func:`free_port` and the bind): a launch that never started, to be retried on a new port."""
-    return "EADDRINUSE" in log or "Address already in use" in log or "address already in use" in log
+    return "EADDRINUSE" in log or "address already in use" in log.lower()
 
 
 def remove_shm_buffers(port: int) -> None:
