@@ -39,6 +39,21 @@ def test_import_zeroshim_imports_no_patch_and_a_target_imports_its_patches(tmp_p
     assert "waiting for deepspeed.runtime.engine" in status  # its torch target applied; the other is awaited
 
 
+def test_undo_resets_a_shipped_patch_s_counters_and_once_messages(tmp_path):
+    """One mechanism for every patch (issue #47 item 6): an undo puts the patch's ``stats`` back to their values at
+    import (in place) and lets its once-only messages be said again; its own ``on_undo`` still runs."""
+    code = ("import json, logging, torch.optim.lr_scheduler, zeroshim; from zeroshim import _log; "
+            "from zeroshim.patches import scheduler_dropped_groups as p; s = p.stats; initial = dict(s); "
+            "s['dropped_groups'] = 3; o = type('O', (), {})(); p._trimmed[o] = 1; "
+            "_log.warning('x', once=(p.NAME, 'aligned')); _log.warning('y', once=('guard', p.NAME)); "
+            "_log.warning('z', once=('other', 'key')); zeroshim.unpatch(p.NAME); "
+            "print(json.dumps([s is p.stats, s == initial, len(p._trimmed), "
+            "[k in _log._seen for k in ((p.NAME, 'aligned'), ('guard', p.NAME), ('other', 'key'))]]))")
+    same, reset, trimmed, seen = json.loads(python(code, tmp_path).stdout.splitlines()[-1])
+    assert same and reset and trimmed == 0
+    assert seen == [False, False, True]  # another patch's or the core's once-messages stay said
+
+
 def test_a_needed_patch_not_imported_yet_counts_as_registered(tmp_path):
     """``missing_dependency`` asks about a needed patch whose module no target has imported yet: it is registered
     (pending), not missing; turned off by its flag, it is missing where its bug exists here, and not needed where

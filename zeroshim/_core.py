@@ -60,6 +60,7 @@ _overrides: "Dict[str, object]" = {"enabled": None, "only": None, "modes": {}, "
 _unpatched: "Set[str]" = set()
 _agreed_off: "Dict[str, str]" = {}  # patch -> why every rank turned it off (``_agree``: the ranks disagreed)
 _modules: "Dict[str, object]" = {}  # patch name -> its module (zeroshim.patches.<name>)
+_initial_stats: "Dict[str, dict]" = {}  # patch name -> a copy of its counters as imported (_forget)
 _order: "List[str]" = []  # every known patch, in the registry's order (the shipped ones, then registered ones)
 #: a shipped patch not imported yet -> its targets and its optional ones, from the generated index
 _declared: "Dict[str, Tuple[Tuple[str, ...], FrozenSet[str]]]" = {}
@@ -123,6 +124,10 @@ def _load(name: str) -> Patch:
             patch.doc = module.__doc__ or ""
         _modules[name] = module
         _patches[name] = patch
+        if isinstance(getattr(module, "stats", None), dict):  # what its undo puts back (_undo)
+            from copy import deepcopy
+
+            _initial_stats[name] = deepcopy(module.stats)
         declared = _declared.pop(name, None)
         if declared is not None and (tuple(patch.targets), patch.optional) != declared:
             # a stale index (a source checkout edited without regenerating it): its targets are the ones it
@@ -573,6 +578,19 @@ def _refresh(name: str, state: _State) -> None:
         _log.info("zeroshim: applied %s (%s): %s", name, state.reason, patch.summary)
 
 
+def _forget(name: str) -> None:
+    """What every patch's undo resets, one mechanism for all: its counters (``stats``, in place, to what they
+    were when it was imported) and its once-only messages (applied again later, it says so again)."""
+    _log.forget_patch(name)
+    initial = _initial_stats.get(name)
+    stats = getattr(_modules.get(name), "stats", None)
+    if initial is not None and isinstance(stats, dict):
+        from copy import deepcopy
+
+        stats.clear()
+        stats.update(deepcopy(initial))
+
+
 def _undo(name: str, state: _State, new_state: str, reason: str) -> None:
     if state.busy is not None and state.busy != threading.get_ident():
         # another thread is applying this patch: it undoes what it applied when its apply returns; from now
@@ -586,7 +604,7 @@ def _undo(name: str, state: _State, new_state: str, reason: str) -> None:
         state.patcher = None
     state.done.clear()
     if was_applied:
-        _log.forget((name, "acted"))  # applied again later, it says so again when it acts
+        _forget(name)
         patch = _patches.get(name)  # (imported: it applied)
         if patch is not None and patch.on_undo is not None:
             patch.on_undo()

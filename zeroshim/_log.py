@@ -160,3 +160,13 @@ def forget(key: object) -> None:
         if key in _seen and isinstance(key, tuple) and len(key) == 2 and key[1] == "acted":
             _rounds[key[0]] = _rounds.get(key[0], 0) + 1
         _seen.discard(key)
+
+
+def forget_patch(patch: str) -> None:
+    """Let every ``once`` message of ``patch`` be logged again (its undo): the keys ``(patch, ...)`` and
+    ``("guard", patch)``."""
+    with _seen_lock:
+        keys = [key for key in _seen if isinstance(key, tuple) and key and
+                (key[0] == patch or key == ("guard", patch))]
+    for key in keys:
+        forget(key)

@@ -118,7 +118,6 @@ def patch_bf16_optimizer(module, patcher: Patcher) -> None:
 
 
 def _reset() -> None:
-    stats["reordered"] = 0
     _bf16.clear()
 
 

@@ -153,7 +153,6 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 
 def _reset() -> None:
-    stats.update(raised=0)
     _seen["kept_no_grad_input"] = 0
 
 

@@ -582,10 +582,6 @@ def check_config(cfg, affected: bool) -> list:
                         f"module runs more than once per step ('has already been reduced').{default}"}]
 
 
-def _forget() -> None:
-    _log.forget((NAME, "dependency"))
-
-
 PATCH = Patch(
     changes=('autograd', 'collectives'),
     name=NAME,
@@ -600,7 +596,6 @@ PATCH = Patch(
         "torch.utils.checkpoint": patch_torch_checkpoint,
         "deepspeed.runtime.engine": patch_deepspeed_engine,
     },
-    on_undo=_forget,
     needs={NEEDS: "ZeRO-3 and frozen parameters (LoRA, adapters)"},
     bypass=bypass,
     check_config=check_config,

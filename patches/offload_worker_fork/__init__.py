@@ -450,7 +450,6 @@ def patch_deepspeed_engine(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _hooks["active"] = False
-    _log.forget((NAME, "smaps"))
 
 
 PATCH = Patch(

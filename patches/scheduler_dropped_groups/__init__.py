@@ -214,8 +214,6 @@ def patch_lr_scheduler(module, patcher: Patcher) -> None:
 
 def _forget() -> None:
     _trimmed.clear()
-    _log.forget((NAME, "aligned"))
-    _log.forget((NAME, "state"))
 
 
 PATCH = Patch(

@@ -300,7 +300,6 @@ def patch_cpp_extension(module, patcher: Patcher) -> None:
 
 
 def _reset() -> None:
-    stats.update(removed=0, rebuilt=0, unsure=0)
     _torch.clear()
 
 

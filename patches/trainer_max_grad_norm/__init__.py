@@ -100,10 +100,6 @@ def patch_integration(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "trainer_config_process", _process)
 
 
-def _reset() -> None:
-    stats["acted"] = 0
-
-
 def check_config(cfg, affected: bool) -> list:
     """``zeroshim doctor --config``: no ``gradient_clipping`` key, so DeepSpeed clips at its own default (read from
     the installed source) whatever ``max_grad_norm`` the HF Trainer or accelerate was given."""
@@ -132,5 +128,4 @@ PATCH = Patch(
     versions_note="with the HF Trainer",
     targets={"transformers.integrations.deepspeed": patch_integration},
     check_config=check_config,
-    on_undo=_reset,
 )

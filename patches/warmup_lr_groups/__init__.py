@@ -97,10 +97,6 @@ def patch_lr_schedules(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "__init__", _make_init(module))
 
 
-def _reset() -> None:
-    stats["acted"] = 0
-
-
 PATCH = Patch(
     changes=('numbers',),
     name=NAME,
@@ -112,5 +108,4 @@ PATCH = Patch(
                             r"warmup_max_lr = \[group\['lr'\] for group in self\.optimizer\.param_groups\]\[0\]",
                             "WarmupLR's default warmup_max_lr taken from param group 0 alone ([...][0])"),
     targets={"deepspeed.runtime.lr_schedules": patch_lr_schedules},
-    on_undo=_reset,
 )

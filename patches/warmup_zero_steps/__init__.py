@@ -151,10 +151,6 @@ def check_config(cfg, affected: bool) -> list:
     return []
 
 
-def _reset() -> None:
-    stats["taken"].clear()
-
-
 PATCH = Patch(
     changes=('error',),
     name=NAME,
@@ -166,5 +162,4 @@ PATCH = Patch(
                             "the check WarmupLR and WarmupCosineLR got in 0.19.3"),
     targets={"deepspeed.runtime.lr_schedules": patch_lr_schedules},
     check_config=check_config,
-    on_undo=_reset,
 )

@@ -167,10 +167,6 @@ def patch_integrations_deepspeed(module, patcher: Patcher) -> None:
     patcher.wrap(module, "_apply_weight_conversions_to_state_dict", _apply_conversions)
 
 
-def _reset() -> None:
-    stats.update(calls=0, restored=0, kept=0)
-
-
 PATCH = Patch(
     changes=('numbers',),
     name=NAME,
@@ -184,5 +180,4 @@ PATCH = Patch(
     # no source fingerprint: the two forms live in two modules (5.0.0's loop in integrations/deepspeed.py, the
     # unscoped renaming in conversion_mapping.py), and one fingerprint decides over the version range
     targets={"transformers.integrations.deepspeed": patch_integrations_deepspeed},
-    on_undo=_reset,
 )

@@ -136,11 +136,6 @@ def patch_modeling_utils(module, patcher: Patcher) -> None:
     patcher.set(cls, "from_pretrained", wrapper)
 
 
-def _reset() -> None:
-    stats["acted"] = 0
-    stats["dropped"] = {}
-
-
 PATCH = Patch(
     changes=("error",),
     name=NAME,
@@ -151,5 +146,4 @@ PATCH = Patch(
     affects={"transformers": ""},
     versions_note="ZeRO-3; acts only where transformers refuses",
     targets={"transformers.modeling_utils": patch_modeling_utils},
-    on_undo=_reset,
 )

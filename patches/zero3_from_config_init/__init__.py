@@ -150,10 +150,6 @@ def patch_modeling_utils(module, patcher: Patcher) -> None:
     patcher.set(cls, "_from_config", wrapper)
 
 
-def _reset() -> None:
-    stats["acted"] = stats["modules"] = 0
-
-
 PATCH = Patch(
     changes=("numbers", "collectives"),
     name=NAME,
@@ -167,5 +163,4 @@ PATCH = Patch(
                             r"(?![\s\S]*initialize_weights_zero3)",
                             "transformers 5's initialisation module without initialize_weights_zero3"),
     targets={"transformers.modeling_utils": patch_modeling_utils},
-    on_undo=_reset,
 )

@@ -113,10 +113,6 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "_allgather_params_coalesced", _allgather_params_coalesced)
 
 
-def _reset() -> None:
-    stats.update(split=0)
-
-
 PATCH = Patch(
     changes=('collectives',),
     on_disagreement="stop",  # without it gloo's coalesced gathers read unwritten memory, silently
@@ -129,5 +125,4 @@ PATCH = Patch(
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"launch_handles\[-1\]\.wait\(\)",
                             "the wait on the last all-gather handle only in _allgather_params_coalesced (#8539)"),
     targets={"deepspeed.runtime.zero.partition_parameters": patch_partition_parameters},
-    on_undo=_reset,
 )

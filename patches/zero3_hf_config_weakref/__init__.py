@@ -193,10 +193,6 @@ def patch_integrations_deepspeed(module, patcher: Patcher) -> None:
     patcher.on_undo(restore_plain_ref)
 
 
-def _reset() -> None:
-    stats.update(watched=0, kept=0)
-
-
 PATCH = Patch(
     changes=('memory', 'collectives'),
     name=NAME,
@@ -210,5 +206,4 @@ PATCH = Patch(
                             "set_hf_deepspeed_config storing only a weak reference to the HfDeepSpeedConfig",
                             bug_when="present"),
     targets={"transformers.integrations.deepspeed": patch_integrations_deepspeed},
-    on_undo=_reset,
 )

@@ -140,10 +140,6 @@ def patch_coordinator(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "release_and_reset_all", _release_and_reset_all)
 
 
-def _reset() -> None:
-    stats.update(reset_step=0, invalidate=0, release_all=0)
-
-
 PATCH = Patch(
     changes=('error', 'collectives'),
     name=NAME,
@@ -155,5 +151,4 @@ PATCH = Patch(
                             r"raise RuntimeError\(f\"still have inflight params",
                             "the raise of PartitionedParameterCoordinator.reset_step (removed by #6557)"),
     targets={"deepspeed.runtime.zero.partitioned_param_coordinator": patch_coordinator},
-    on_undo=_reset,
 )

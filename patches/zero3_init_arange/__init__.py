@@ -139,11 +139,6 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
     patcher.wrap(module, "zero_wrapper_for_fp_tensor_constructor", _make_factory(module))
 
 
-def _reset() -> None:
-    stats["rounded"] = stats["exact"] = 0
-    _log.forget((NAME, "rounded"))
-
-
 PATCH = Patch(
     changes=("error",),  # changes nothing: the warning names the cause of a silent failure
     name=NAME,
@@ -156,5 +151,4 @@ PATCH = Patch(
                             r"torch\.arange = zero_wrapper_for_fp_tensor_constructor\(",
                             "zero.Init's torch.arange wrapper"),
     targets={"deepspeed.runtime.zero.partition_parameters": patch_partition_parameters},
-    on_undo=_reset,
 )

@@ -114,10 +114,6 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "_all_gather", _all_gather)
 
 
-def _reset() -> None:
-    stats.update(regrouped=0)
-
-
 PATCH = Patch(
     changes=('error', 'collectives'),
     name=NAME,
@@ -130,5 +126,4 @@ PATCH = Patch(
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"dtype=param_list\[0\]\.ds_tensor\.dtype",
                             "the first parameter's dtype for every buffer of _allgather_params_coalesced (#8073)"),
     targets={"deepspeed.runtime.zero.partition_parameters": patch_partition_parameters},
-    on_undo=_reset,
 )

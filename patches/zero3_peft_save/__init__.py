@@ -478,8 +478,6 @@ def _reset() -> None:
     _pending.clear()
     _lone_calls.clear()
     _saving.clear()
-    _log.forget((NAME, "skipped"))
-    _log.forget((NAME, "alone"))
 
 
 PATCH = Patch(

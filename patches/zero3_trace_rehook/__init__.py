@@ -116,10 +116,6 @@ def patch_coordinator(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "_clear_trace_structures", _clear)
 
 
-def _reset() -> None:
-    stats["acted"] = 0
-
-
 PATCH = Patch(
     changes=("collectives",),
     name=NAME,
@@ -137,5 +133,4 @@ PATCH = Patch(
                             "a trace that starts invalid, and _clear_trace_structures without the fetch-step queues"),
     targets={"deepspeed.runtime.zero.parameter_offload": patch_offload,
              "deepspeed.runtime.zero.partitioned_param_coordinator": patch_coordinator},
-    on_undo=_reset,
 )

@@ -116,10 +116,6 @@ def patch_modeling_utils(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "post_init", _post_init)
 
 
-def _reset() -> None:
-    stats["hooked"] = stats["acted"] = 0
-
-
 PATCH = Patch(
     changes=("error",),
     name=NAME,
@@ -129,5 +125,4 @@ PATCH = Patch(
     affects={"transformers": "", "deepspeed": ""},
     versions_note="ZeRO-3",
     targets={"transformers.modeling_utils": patch_modeling_utils},
-    on_undo=_reset,
 )

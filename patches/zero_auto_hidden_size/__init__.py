@@ -163,11 +163,6 @@ def patch_accelerator(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "_prepare_deepspeed", _prepare_deepspeed)
 
 
-def _reset() -> None:
-    stats["filled"].clear()
-    stats["hidden"].clear()
-
-
 PATCH = Patch(
     changes=('error',),
     name=NAME,
@@ -181,5 +176,4 @@ PATCH = Patch(
                             "accelerate's hidden-size error for \"auto\" bucket sizes, in an accelerator.py that "
                             "never reads text_config"),
     targets={"accelerate.accelerator": patch_accelerator},
-    on_undo=_reset,
 )

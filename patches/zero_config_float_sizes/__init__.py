@@ -180,10 +180,6 @@ def check_config(cfg, affected: bool) -> list:
     return findings
 
 
-def _reset() -> None:
-    stats["rounded"].clear()
-
-
 PATCH = Patch(
     changes=('error',),
     name=NAME,
@@ -197,5 +193,4 @@ PATCH = Patch(
                             "DeepSpeed's config models on pydantic v2 (from pydantic import BaseModel)"),
     targets={"deepspeed.runtime.config": patch_runtime_config},
     check_config=check_config,
-    on_undo=_reset,
 )

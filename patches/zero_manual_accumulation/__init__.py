@@ -247,10 +247,6 @@ def patch_engine(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "allreduce_gradients", _allreduce)
 
 
-def _reset() -> None:
-    stats.update(summed=0, refused=0)
-
-
 PATCH = Patch(
     changes=('numbers',),
     name=NAME,
@@ -264,5 +260,4 @@ PATCH = Patch(
                    "offload_optimizer every release, an error with the remedy"),
     affects={"deepspeed": ""},
     targets={"deepspeed.runtime.engine": patch_engine},
-    on_undo=_reset,
 )

@@ -100,10 +100,6 @@ def patch_engine(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "no_sync", _no_sync)
 
 
-def _reset() -> None:
-    stats.update(nulled=0)
-
-
 PATCH = Patch(
     changes=('error',),
     name=NAME,
@@ -116,5 +112,4 @@ PATCH = Patch(
                             r"no_sync context manager is incompatible with gradient partitioning logic",
                             "the ZeRO-2/3 assertion of DeepSpeedEngine.no_sync (#6675)"),
     targets={"deepspeed.runtime.engine": patch_engine},
-    on_undo=_reset,
 )

@@ -78,10 +78,6 @@ def patch_base_optimizer(module, patcher: Patcher) -> None:
     patcher.set(cls, "defaults", WrappedDefaults())
 
 
-def _reset() -> None:
-    stats["acted"] = 0
-
-
 PATCH = Patch(
     changes=("error",),
     name=NAME,
@@ -95,5 +91,4 @@ PATCH = Patch(
                             r"\A(?![\s\S]*\bdefaults\b)[\s\S]*class DeepSpeedOptimizer\b",
                             "DeepSpeedOptimizer without defaults"),
     targets={"deepspeed.runtime.base_optimizer": patch_base_optimizer},
-    on_undo=_reset,
 )
