@@ -24,8 +24,10 @@ from zeroshim._patcher import CollectivePatchFailed, guard
 ENVS = ("ds0.19.8",)
 ENVS_REASON = "the check is zeroshim's own code around DeepSpeedEngine.__init__; the newest stack proves it"
 COLLECTIVE = [name for name in _core.patch_names() if _core.get_patch(name).collective]
-STOP = [name for name in COLLECTIVE if _core.get_patch(name).on_disagreement == "stop"]
-OFF = [name for name in COLLECTIVE if name not in STOP]
+# every rank must take the same decision about these: they change collectives or numbers
+AGREED = [name for name in _core.patch_names() if _core.get_patch(name).agreed]
+STOP = [name for name in AGREED if _core.get_patch(name).on_disagreement == "stop"]
+OFF = [name for name in AGREED if name not in STOP]
 
 
 def report(**patches):
@@ -39,9 +41,17 @@ def test_every_patch_declares_what_it_changes():
         assert patch.changes, f"{name} declares no kind of change (Patch.changes)"
         assert set(patch.changes) <= set(CHANGE_KINDS)
         if patch.on_disagreement == "stop":
-            assert patch.collective, f"{name}: on_disagreement applies to patches that change collectives"
+            assert patch.agreed, f"{name}: on_disagreement applies to patches that change collectives or numbers"
+        if "numbers" in patch.changes and not patch.collective:  # ranks split about it train different numbers
+            assert patch.on_disagreement == "stop", f"{name} changes numbers: a split must stop, not turn it off"
     assert set(COLLECTIVE) >= {"zero3_generate_sync", "zero3_moe_leaf", "zero3_dummy_loss", "zero3_frozen_recompute",
                                "nonreentrant_checkpoint", "zero3_inflight_params"}  # the issue's list
+
+
+def test_a_rank_reports_every_patch_that_changes_collectives_or_numbers():
+    reported = set(_agree.decisions()["patches"])
+    assert reported == set(AGREED)
+    assert {"warmup_lr_groups", "trainer_max_grad_norm", "bf16_zero1_last_microbatch"} <= reported
 
 
 def test_a_declaration_refuses_unknown_kinds_and_rules():
@@ -295,13 +305,15 @@ def test_generate_sync_off_on_one_rank_stops_within_seconds_on_every_rank(tmp_pa
 
 @pytest.mark.deepspeed
 def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path):
-    """Every patch whose unpatched failure is silent (rule "stop"), off on rank 1 only: both ranks stop before the
-    engine is built, and the one line names each of them that acts on rank 0, with rank 1's flag as the reason."""
+    """Every patch whose unpatched failure is silent (rule "stop": some collective ones, every one that changes
+    numbers), off on rank 1 only: both ranks stop before the engine is built, and the one line names each of them
+    that acts on rank 0, with rank 1's flag as the reason."""
     flags = {f"ZEROSHIM_{name.upper()}": "off" for name in STOP}
     result = _launch(tmp_path, flags)
     assert all(out is not None for out in result["ranks"]), result["log"][-3000:]
     acting = sorted(name for name in STOP if result["ranks"][0]["report"]["patches"][name][0])
     assert len(acting) >= 2, f"only {acting} of the stop-rule patches act here: the test proves no more than one"
+    assert any(name not in COLLECTIVE for name in acting), f"no patch that changes numbers only acts here: {acting}"
     assert not any(result["ranks"][1]["report"]["patches"][name][0] for name in STOP)
     for rank, out in enumerate(result["ranks"]):
         assert "hang" not in out and out["stage"] == "init", out

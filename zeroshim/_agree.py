@@ -1,10 +1,11 @@
-"""Ranks agree about the patches that change collectives, or the run stops naming the cause (issue #47).
+"""Ranks agree about the patches that change collectives or numbers, or the run stops naming the cause (issue #47).
 
 A patch that changes which collectives run (``"collectives"`` in its declared ``changes``) must act on every
 rank or on none: a rank that syncs ``generate()`` while another does not, or gathers a parameter another
-rank does not, hangs the job without a word.  Every per-process decision can split the ranks that way: a
-flag exported on one node only, a version or fingerprint gate on a node with another install, an apply that
-failed on one rank.
+rank does not, hangs the job without a word.  So must one that changes the numbers (``"numbers"``): ranks
+that clip, schedule or accumulate by different rules update their partitions differently, silently.  Every
+per-process decision can split the ranks that way: a flag exported on one node only, a version or fingerprint
+gate on a node with another install, an apply that failed on one rank.
 
 So, once per job, each rank posts what it decided for each such patch (acts, or why not) in the process
 group's key-value store -- the c10d store every launcher already runs, so no collective is issued and a rank
@@ -95,7 +96,7 @@ def decisions() -> dict:
     out = {}
     for name, state in _core.status().items():
         patch = _core.get_patch(name)
-        if not patch.collective:
+        if not patch.agreed:
             continue
         acts = state.state in (_core.APPLIED, _core.PENDING)
         why = "acts" if acts else (state.reason if state.reason.startswith(state.state)
@@ -157,7 +158,8 @@ def _store_and_world():
     try:
         store = _dist.default_store(dist)
     except Exception as exc:  # an MPI-only group, a torch without the private accessor
-        _log.warning("zeroshim: cannot check that the ranks agree about the patches that change collectives "
+        _log.warning("zeroshim: cannot check that the ranks agree about the patches that change collectives or "
+                     "numbers "
                      "(no key-value store: %r); set every ZEROSHIM_* flag alike on every node", exc,
                      scope=_log.RANK0, once=("agree", "nostore"))
         return None
@@ -280,21 +282,21 @@ def _wait_for_all(store, world: int, rank: int, limit: float, where: str, at_sta
             missing = _missing(store, world)
             if not at_stake:
                 _log.info("zeroshim: %s did not say within %g s what they decided about the patches that change "
-                          "collectives; none acts on rank %d, which goes on", _ranks(missing), limit, rank,
+                          "collectives or numbers; none acts on rank %d, which goes on", _ranks(missing), limit, rank,
                           scope=_log.EVERY)
                 return False
             message = (f"zeroshim: {_ranks(missing)} did not say within {limit:g} s ({TIMEOUT_VAR}) what "
-                       f"they decided about the patches that change collectives, at {where}; this rank cannot "
-                       "know that they run the same collectives, so it stops rather than risk a silent hang. "
-                       "Is zeroshim imported on every rank (zeroshim-run, or import zeroshim in the training "
-                       "script), is ZEROSHIM_DISABLED set on some nodes only, or are they slow to build their "
+                       f"they decided about the patches that change collectives or numbers, at {where}; this "
+                       "rank cannot know that they run the same collectives and numbers, so it stops rather than "
+                       "risk a silent hang or a silent difference. Is zeroshim imported on every rank "
+                       "(zeroshim-run, or import zeroshim in the training script), is ZEROSHIM_DISABLED set on some nodes only, or are they slow to build their "
                        "engine, or build none (an engine on some ranks only)? " + _remedy())
             _log.emit(logging.ERROR, _log.EVERY, "%s", message)
             raise RanksDisagree(message)
         if now >= next_warning:
             next_warning = now + WARN_EVERY_S
             _log.warning("zeroshim: rank %d waits for %s to say what they decided about the patches that change "
-                         "collectives (%.0f s of %g s, %s); at %s", rank, _ranks(_missing(store, world)),
+                         "collectives or numbers (%.0f s of %g s, %s); at %s", rank, _ranks(_missing(store, world)),
                          now - start, limit, TIMEOUT_VAR, where, scope=_log.EVERY)
         try:  # wakes as soon as the last rank posts
             store.wait([f"{KEY}all"], timedelta(seconds=min(1.0, max(0.01, limit - (now - start)))))
@@ -324,8 +326,8 @@ def _act_on(splits: "list[dict]", where: str) -> None:
             _core.agree_off(split["patch"], f"off on every rank because the ranks disagreed: {describe(split)}")
     if stops:
         flags = ", ".join(_core.get_patch(s["patch"]).flag for s in stops if s["patch"] in known)
-        message = ("zeroshim: the ranks disagree about patches that change collectives, and without them the "
-                   "bug they fix is silent (a hang or a wrong result), so the run stops here, at " + where +
+        message = ("zeroshim: the ranks disagree about patches that change collectives or numbers, and without "
+                   "them the bug they fix is silent (a hang or a wrong result), so the run stops here, at " + where +
                    ", on every rank: " + "; ".join(describe(s) for s in stops) + ". Set " + (flags or "the flags") +
                    " alike on every node (zeroshim-run carries ZEROSHIM_* flags to every rank).")
         _log.emit(logging.ERROR, _log.EVERY, "%s", message)

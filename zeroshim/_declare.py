@@ -28,7 +28,8 @@ BYPASSED = "bypassed"    # applied, but another library replaced what it wraps: 
 CHANGE_KINDS = {
     "error": "acts only where the run would otherwise fail: the error goes, or its message names the cause",
     "import": "makes an import work (adds a name the installed release lacks)",
-    "numbers": "the numbers a run computes, loads or saves",
+    "numbers": "the numbers a run computes, loads or saves: every rank must take the same decision (checked when an "
+               "engine is built)",
     "memory": "how much memory the run holds",
     "autograd": "how autograd runs the backward (which graph, which gradients are formed)",
     "collectives": "which collectives run: every rank must take the same decision (checked when an engine is built)",
@@ -36,7 +37,8 @@ CHANGE_KINDS = {
 #: The kinds a healthy run notices: a patch that acts with one of them, and not only where the run would fail
 #: ("error"), says so at WARNING (:attr:`Patch.visible`); the others at INFO.
 VISIBLE_KINDS = ("numbers", "memory", "autograd", "collectives")
-#: What every rank does when the ranks disagree about a patch that changes collectives (``Patch.on_disagreement``):
+#: What every rank does when the ranks disagree about a patch that changes collectives or numbers
+#: (``Patch.on_disagreement``):
 #: "off" -- the patch is turned off on every rank (what an unpatched job does, and that fails loudly);
 #: "stop" -- the engine is not built: without the patch the bug is silent (a hang, a wrong result).
 DISAGREEMENT_RULES = ("off", "stop")
@@ -102,7 +104,8 @@ class Patch:
         bad = [kind for kind in self.changes if kind not in CHANGE_KINDS]
         if bad:
             raise ValueError(f"changes of {name}: unknown kind(s) {bad}; valid: {', '.join(CHANGE_KINDS)}")
-        #: with "collectives" in ``changes``: what every rank does when the ranks disagree (:data:`DISAGREEMENT_RULES`)
+        #: with "collectives" or "numbers" in ``changes``: what every rank does when the ranks disagree
+        #: (:data:`DISAGREEMENT_RULES`)
         if on_disagreement not in DISAGREEMENT_RULES:
             raise ValueError(f"on_disagreement of {name}: {on_disagreement!r}; valid: {', '.join(DISAGREEMENT_RULES)}")
         self.on_disagreement = on_disagreement
@@ -130,6 +133,13 @@ class Patch:
     def collective(self) -> bool:
         """Does acting change which collectives run (ranks must agree)?"""
         return "collectives" in self.changes
+
+    @property
+    def agreed(self) -> bool:
+        """Must every rank take the same decision about it?  A patch that changes which collectives run (split
+        ranks hang) or the numbers (split ranks train a model whose partitions follow different rules, and
+        nothing says so): checked when an engine is built (``_agree``)."""
+        return self.collective or "numbers" in self.changes
 
     @property
     def flag(self) -> str:

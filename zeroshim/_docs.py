@@ -142,7 +142,7 @@ def render_page(name: str) -> str:
               *([f"- Ranks that disagree about it (a flag on one node only, another install): "
                  + ("the run stops before the engine is built, on every rank, naming it (without it the bug is "
                     "silent)" if patch.on_disagreement == "stop" else "it is turned off on every rank, said on "
-                    "every rank") + "; see [many ranks and nodes](../multinode.md)"] if patch.collective else []),
+                    "every rank") + "; see [many ranks and nodes](../multinode.md)"] if patch.agreed else []),
               "- Wraps: " + ", ".join(f"`{module}`" for module in patch.targets),
               "- Error signatures (`zeroshim explain`): " + "; ".join(f"`{sig}`" for sig in patch.signatures)
               if patch.signatures else "- Error signatures: none (a silent failure)",

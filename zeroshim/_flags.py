@@ -9,7 +9,7 @@
 ``ZEROSHIM_LOG_LEVEL=INFO``    attach a stderr handler to the ``zeroshim`` logger
 ``ZEROSHIM_TIMING=1``          benchmark mode: time zeroshim's own work per patch
 ``ZEROSHIM_AGREE_TIMEOUT=1800`` seconds a rank waits for the others' decisions about the patches that
-                              change collectives (0: no check across ranks; ``_agree.py``)
+                              change collectives or numbers (0: no check across ranks; ``_agree.py``)
                                (zeroshim/_timing.py); off by default
 =============================  ==================================================
 

@@ -123,6 +123,7 @@ def _reset() -> None:
 
 PATCH = Patch(
     changes=("numbers",),
+    on_disagreement="stop",  # without it the last micro-batch stays rank-local, silently
     name=NAME,
     summary="bf16 ZeRO-1 with fp32 gradient accumulation (BF16_Optimizer) on several ranks: the last micro-batch "
             "of each accumulation is added after the all-reduce and stays rank-local (silent)",

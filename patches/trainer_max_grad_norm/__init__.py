@@ -120,6 +120,7 @@ def check_config(cfg, affected: bool) -> list:
 
 PATCH = Patch(
     changes=("numbers",),
+    on_disagreement="stop",  # without it max_grad_norm is not the clipping DeepSpeed applies, silently
     name=NAME,
     summary="HF Trainer with a DeepSpeed config without gradient_clipping: max_grad_norm is ignored, DeepSpeed "
             "clips at its own default (0 before 0.19.3, 1.0 from 0.19.3) (silent)",

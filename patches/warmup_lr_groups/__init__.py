@@ -99,6 +99,7 @@ def patch_lr_schedules(module, patcher: Patcher) -> None:
 
 PATCH = Patch(
     changes=('numbers',),
+    on_disagreement="stop",  # without it a group warms up to another group's rate, silently
     name=NAME,
     summary="WarmupLR/WarmupDecayLR without warmup_max_lr on param groups with different learning rates: every "
             "group warms up to group 0's rate (silent)",

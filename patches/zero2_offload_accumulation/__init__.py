@@ -121,6 +121,7 @@ def check_config(cfg, affected: bool) -> list:
 
 PATCH = Patch(
     changes=('numbers',),
+    on_disagreement="stop",  # without it the middle micro-batches are lost, silently
     name=NAME,
     summary="ZeRO-2 + offload_optimizer + gradient accumulation >= 3: micro-batches between the first and the last "
             "are silently dropped",

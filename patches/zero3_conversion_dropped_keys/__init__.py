@@ -169,6 +169,7 @@ def patch_integrations_deepspeed(module, patcher: Patcher) -> None:
 
 PATCH = Patch(
     changes=('numbers',),
+    on_disagreement="stop",  # without it parameters are re-initialised, silently
     name=NAME,
     summary="ZeRO-3 from_pretrained drops checkpoint keys while converting them (5.0.0: every key of an MoE model "
             "that needed no conversion; 5.4.0 to 5.5.4: the language model of Qwen3.5 / Gemma3n vision-language "

@@ -249,6 +249,7 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 PATCH = Patch(
     changes=('numbers',),
+    on_disagreement="stop",  # without it the earlier micro-batches are dropped, silently
     name=NAME,
     summary="gradient_accumulation_steps 1 and several engine.backward() before one engine.step() under "
             "ZeRO-1/2: only the last micro-batch's gradient is kept (silent; TypeError on 0.17.6–0.18.2; "
