@@ -19,10 +19,15 @@ from zeroshim import _agree, _core, _log
 from zeroshim._declare import CHANGE_KINDS, Patch
 from zeroshim._patcher import CollectivePatchFailed, guard
 
-# The launches prove zeroshim's own exchange over torch's c10d store before DeepSpeedEngine.__init__: they run on
-# the newest stack (the unit tests above them run everywhere).
-ENVS = ("ds0.19.8",)
-ENVS_REASON = "the check is zeroshim's own code around DeepSpeedEngine.__init__; the newest stack proves it"
+from conftest import duplicate_of, matrix
+from harness import NEWEST_ENV
+
+# The launches prove zeroshim's own exchange over torch's c10d store before DeepSpeedEngine.__init__, and that each
+# patch that acts splits and fails as it should: they run in every full environment of the matrix, since which
+# patches act depends on the release (the issue's own run and the rank without zeroshim, which prove the exchange
+# alone, run on the newest stack).
+ENVS = tuple(matrix()) or (NEWEST_ENV,)
+ENVS_REASON = "which patches act, and so split, depends on the release: every full environment"
 COLLECTIVE = [name for name in _core.patch_names() if _core.get_patch(name).collective]
 # every rank must take the same decision about these: they change collectives or numbers
 AGREED = [name for name in _core.patch_names() if _core.get_patch(name).agreed]
@@ -283,6 +288,11 @@ def _launch(tmp_path, rank1=None, *args):
     return torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", *args, env=env, check=False)
 
 
+def _newest_only() -> None:
+    if os.environ.get("ZSTEST_ENV", NEWEST_ENV) != NEWEST_ENV:
+        pytest.skip(f"proves zeroshim's own exchange, not a patch: runs in {NEWEST_ENV}")
+
+
 def _lines(log: str, rank: int, text: str) -> list:
     return [line for line in log.splitlines() if line.startswith(f"[rank{rank}]") and text in line]
 
@@ -292,6 +302,7 @@ def test_generate_sync_off_on_one_rank_stops_within_seconds_on_every_rank(tmp_pa
     """The issue's run: ZeRO-3, generate() with rank-dependent lengths, ZEROSHIM_ZERO3_GENERATE_SYNC=off exported
     on rank 1 only.  Before: rank 0 syncs, rank 1 does not, the job hangs silently.  Now: both ranks stop before
     the engine is built, each with a line naming the patch and the disagreement."""
+    _newest_only()
     result = _launch(tmp_path, {"ZEROSHIM_ZERO3_GENERATE_SYNC": "off"})
     for rank, out in enumerate(result["ranks"]):
         assert out is not None and "hang" not in out, result["log"][-3000:]
@@ -348,9 +359,15 @@ def test_every_off_rule_patch_split_is_turned_off_on_every_rank_and_the_run_trai
     assert acting, "no off-rule patch is active on rank 0 in this environment: the test proves nothing"
 
 
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
+    """The scenario with every flag alike: what each rank decided, and which patches' wrappers ran."""
+    return _launch(tmp_path_factory.mktemp("agree"))
+
+
 @pytest.mark.deepspeed
-def test_ranks_that_agree_train_as_before(tmp_path):
-    result = _launch(tmp_path)
+def test_ranks_that_agree_train_as_before(agreeing):
+    result = agreeing
     assert result["returncode"] == 0, result["log"][-3000:]
     for out in result["ranks"]:
         assert out["stage"] == "done" and out["agree"]["checks"] == 1 and out["agree"]["disagreements"] == 0
@@ -358,17 +375,38 @@ def test_ranks_that_agree_train_as_before(tmp_path):
         assert len(out["tokens"]) == 4 + (2 if out is result["ranks"][0] else 6)
 
 
+def _acts_here(name: str) -> None:
+    """Skip where ``name`` does not act (its gate says not affected: nothing can split), or where a newer
+    environment has the same pins of what it depends on (that one runs it)."""
+    patch = _core.get_patch(name)
+    affected, reason = _core.gate_verdict(patch)
+    if not affected:
+        pytest.skip(f"{name} does not act here ({reason})")
+    twin = duplicate_of(patch, os.environ.get("ZSTEST_ENV", NEWEST_ENV), matrix())
+    if twin:
+        pytest.skip(f"{name} depends on {twin[1]} here, as in {twin[0]}, which runs this")
+
+
 @pytest.mark.deepspeed
-def test_a_guard_failure_on_one_rank_stops_the_run_naming_the_patch(tmp_path):
+@pytest.mark.parametrize("name", COLLECTIVE)
+def test_a_guard_failure_on_one_rank_stops_the_run_naming_the_patch(tmp_path, name, agreeing):
+    """zeroshim's own error inside the patch's wrapper on rank 1 only (after what the block did, as a bug half-way
+    would leave it), for each patch that changes collectives where it acts: rank 1 does not fall back alone (the
+    ranks would run different collectives); it stops with CollectivePatchFailed naming the flag, and the job
+    ends within seconds instead of hanging."""
+    _acts_here(name)
+    if name not in agreeing["ranks"][1]["guards"]["reached"]:  # (the same run with every flag alike)
+        pytest.skip(f"{name}'s wrappers are not reached by this scenario (generate, one checkpointed ZeRO-3 step)")
     start = time.monotonic()
-    result = _launch(tmp_path, None, "--fail-guard")
-    assert time.monotonic() - start < 100, "the run did not stop within seconds"
+    result = _launch(tmp_path, None, "--fail-guard", name)
     rank1 = result["ranks"][1]
-    assert rank1 is not None and rank1["stopped"]["type"] == "CollectivePatchFailed", result["log"][-3000:]
-    assert "ZEROSHIM_ZERO3_GENERATE_SYNC=off on every rank" in rank1["stopped"]["message"]
-    assert _lines(result["log"], 1, "ERROR zeroshim: zeroshim[zero3_generate_sync]: internal error") or \
-        _lines(result["log"], 1, "internal error in a patch that changes which collectives run")
-    assert result["returncode"] != 0
+    assert rank1 is not None and rank1["guards"]["injected"] == 1, result["log"][-3000:]
+    assert time.monotonic() - start < 100, "the run did not stop within seconds"
+    assert rank1["stopped"]["type"] == "CollectivePatchFailed", (rank1, result["log"][-3000:])
+    assert f"ZEROSHIM_{name.upper()}=off on every rank" in rank1["stopped"]["message"]
+    assert _lines(result["log"], 1, f"zeroshim[{name}]: internal error in a patch that changes which collectives "
+                                    "run"), result["log"][-3000:]
+    assert "hang" not in rank1 and result["returncode"] != 0
 
 
 @pytest.mark.deepspeed
@@ -376,6 +414,7 @@ def test_a_rank_without_zeroshim_stops_the_ranks_that_wait_for_it(tmp_path):
     """ZEROSHIM_DISABLED=1 on rank 1 only: rank 1 never says what it decided; rank 0, where zero3_generate_sync
     would act, waits ZEROSHIM_AGREE_TIMEOUT (5 s here) and stops naming rank 1 and the likely causes, instead
     of running collectives rank 1 does not run."""
+    _newest_only()
     from harness import clean_env, torchrun
 
     env = clean_env(ZEROSHIM_AGREE_TIMEOUT="5")

@@ -2,8 +2,10 @@
 ``deepspeed.initialize`` (no HfDeepSpeedConfig), then ``generate()`` with rank-dependent lengths (rank 0 stops
 after 2 new tokens, rank 1 after 6) and one training step.  ``ZSAGREE_RANK<r>`` (JSON) holds environment
 variables exported on that rank only, before ``import zeroshim``: a flag set on one node only.  A watchdog
-records "hang" (``common.watch_for_hang``) where generate or the step never returns.  ``--fail-guard`` makes rank 1's
-``zero3_generate_sync`` fail inside its wrapper (zeroshim's own error on one rank)."""
+records "hang" (``common.watch_for_hang``) where generate or the step never returns.  The model checkpoints
+its layers (reentrant, as HF's default), so that the checkpointing patches' wrappers run too; each rank records
+which patches' wrappers ran (``guards``).  ``--fail-guard PATCH`` makes rank 1 fail inside PATCH's wrapper
+(zeroshim's own error on one rank)."""
 
 import argparse
 import json
@@ -27,23 +29,44 @@ from common import (ds_config, import_deepspeed, init_distributed, tiny_llama, v
 deepspeed = import_deepspeed()
 
 
+def watch_guards(fail: "str | None") -> dict:
+    """Record which patches' ``guard`` blocks run to their end on this rank once the process group exists
+    (``reached``).  With ``fail``: zeroshim's own error inside that patch's wrapper, the first time one of its
+    blocks ends cleanly, as if its last line had raised (what it did before stays done, as a bug half-way through
+    would leave it); ``injected`` counts it.  Filled in as they happen."""
+    from zeroshim import _patcher
+
+    original = _patcher.guard.__exit__
+    seen = {"reached": [], "injected": 0}
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and _patcher.several_ranks():
+            if self.patch_name not in seen["reached"]:
+                seen["reached"].append(self.patch_name)
+            if self.patch_name == fail and not seen["injected"]:
+                seen["injected"] += 1
+                error = ValueError(f"injected failure inside {fail}'s wrapper")
+                if not original(self, ValueError, error, None):
+                    raise error
+                return False
+        return original(self, exc_type, exc, tb)
+
+    _patcher.guard.__exit__ = __exit__
+    return seen
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=60)
-    parser.add_argument("--fail-guard", action="store_true")
+    parser.add_argument("--fail-guard", metavar="PATCH", help="fail inside PATCH's guard on rank 1")
     args = parser.parse_args()
     rank, _ = init_distributed()
     results = {"versions": versions(), "stage": "init"}
     watch_for_hang(args, results, "hang")  # past --timeout: results["hang"], with the stage it was in
-    if args.fail_guard and rank == 1:
-        from zeroshim.patches import zero3_generate_sync as patch
-
-        def broken(model):
-            raise ValueError("injected failure inside zero3_generate_sync's wrapper")
-
-        patch._needs_sync = broken
+    results["guards"] = watch_guards(args.fail_guard if rank == 1 else None)
     model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # their patches too
     prompt = torch.tensor([[1, 5 + rank, 9, 17]])
     kw = {"max_new_tokens": 2 if rank == 0 else 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     start = time.time()
