@@ -81,14 +81,16 @@ def test_only_the_zero3_refusal_of_an_argument_the_call_passed_is_dropped():
 def _forget(patch):
     from zeroshim import _core
 
-    _core._forget(patch.NAME)  # what an undo resets: the counters and the once-only messages
+    _core._forget(patch.NAME)  # what an undo resets: the counters and the once-only messages (as imported, _load)
 
 
 def test_the_second_call_gets_the_callers_arguments_as_given(monkeypatch):
     """transformers 4.x pops ``_adapter_model_path`` from the caller's ``adapter_kwargs`` before it refuses (found in
     review: on 4.49 the retried load then dropped a PEFT adapter); the first call gets copies."""
+    from zeroshim import _core
     from zeroshim.patches import zero3_device_map as patch
 
+    _core.get_patch(NAME)  # its counters as imported are what _forget puts back
     monkeypatch.setattr(patch, "_zero3_enabled", lambda: True)
     monkeypatch.setattr(patch, "is_active", lambda name: True)
     calls = []
@@ -112,8 +114,10 @@ def test_the_second_call_gets_the_callers_arguments_as_given(monkeypatch):
 
 
 def test_an_error_of_the_second_call_is_raised_as_it_is(monkeypatch):
+    from zeroshim import _core
     from zeroshim.patches import zero3_device_map as patch
 
+    _core.get_patch(NAME)  # its counters as imported are what _forget puts back
     monkeypatch.setattr(patch, "_zero3_enabled", lambda: True)
     monkeypatch.setattr(patch, "is_active", lambda name: True)
 

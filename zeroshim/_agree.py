@@ -19,10 +19,11 @@ decision from the same reports, and says on every rank which patch, which ranks 
 
 When: before a DeepSpeed engine is built (every rank reaches ``DeepSpeedEngine.__init__`` together, and some
 patches act inside it), and, for the patches that can act before any engine exists, right before they first
-act (:func:`before_acting`), where every rank whose flags allow it reaches the same point.  A rank that has not posted is waited for -- a WARNING every 30 s names the missing ranks on
-every rank that waits -- until ``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 1800, torch's own default for a
-collective; 0 turns the check off), and then every rank where such a patch acts stops, naming them (zeroshim
-not imported there, ``ZEROSHIM_DISABLED=1``, or no engine built there).
+act (:func:`before_acting`), where every rank whose flags allow it reaches the same point.  A rank that has not
+posted is waited for -- a WARNING every 30 s names the missing ranks on every rank that waits -- until
+``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 1800, torch's own default for a collective; 0 turns the check off),
+and then every rank where such a patch acts stops, naming them (zeroshim not imported there,
+``ZEROSHIM_DISABLED=1``, or no engine built there).
 
 The exchange costs each rank a constant number of store operations, whatever the world size: a rank posts its
 report and adds one to two counters, the ranks that posted and the ranks whose set of acting patches has its
@@ -31,8 +32,10 @@ same patches, which is all that agreement needs.  Only then does a rank read eve
 and why), and only a rank that waits past a WARNING's interval probes which ranks are missing.
 
 Decisions are compared as they were at this rank's first post (flags and gates are read at import;
-``zeroshim.configure()`` on some ranks only after that is not seen).  A patch that fails inside its wrapper
-(``guard``) after the ranks agreed cannot fall back on one rank alone: ``guard`` re-raises for such patches.
+``zeroshim.configure()`` on some ranks only after that is not seen).  A patch that changes collectives and fails
+inside its wrapper (``guard``) after the ranks agreed cannot fall back on one rank alone: ``guard`` re-raises.  One
+that changes numbers only still falls back on its rank (logged there): a bug in zeroshim fails alike on every rank
+as a rule, and stopping would end runs that train.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ stats = {"checks": 0, "disagreements": 0, "waited_s": 0.0}
 
 
 class RanksDisagree(RuntimeError):
-    """The ranks decided differently about a patch that changes collectives, and acting on some of them only
+    """The ranks decided differently about a patch that changes collectives or numbers, and acting on some of them only
     (or on none) would hang the job or change its result silently."""
 
 
@@ -90,7 +93,7 @@ def timeout_s(environ=None) -> float:
 
 # -- what this rank decided --------------------------------------------------------------------------------
 def decisions() -> dict:
-    """This rank's report: for each registered patch that changes collectives, ``[acts, why, rule]``."""
+    """This rank's report: for each registered patch that changes collectives or numbers, ``[acts, why, rule]``."""
     from . import __version__, _core
 
     out = {}
@@ -117,7 +120,7 @@ def resolve(reports: "dict[int, dict]") -> "list[dict]":
         for rank in sorted(reports):
             entry = reports[rank].get("patches", {}).get(name)
             if entry is None:
-                not_acting[rank] = f"zeroshim {reports[rank].get('zeroshim', '?')} there has no patch {name}"
+                not_acting[rank] = f"zeroshim {reports[rank].get('zeroshim', '?')} there does not report {name}"
                 continue
             acts, why, their_rule = entry
             (acting if acts else not_acting)[rank] = why
@@ -172,8 +175,8 @@ def settled() -> bool:
 
 
 def before_acting(name: str, where: str) -> bool:
-    """For a patch that changes collectives and can act before any engine is built: check that the ranks agree
-    (once per job), right before it first acts; whether it may act (False where the ranks turned it off).  A
+    """For a patch that changes collectives (or numbers) and can act before any engine is built: check that the
+    ranks agree (once per job), right before it first acts; whether it may act (False where the ranks turned it off).  A
     rank where the patch is off never gets here: it reports at its next check (its engine), which this rank
     waits for.  May raise :class:`RanksDisagree`."""
     from . import _core
@@ -289,8 +292,9 @@ def _wait_for_all(store, world: int, rank: int, limit: float, where: str, at_sta
                        f"they decided about the patches that change collectives or numbers, at {where}; this "
                        "rank cannot know that they run the same collectives and numbers, so it stops rather than "
                        "risk a silent hang or a silent difference. Is zeroshim imported on every rank "
-                       "(zeroshim-run, or import zeroshim in the training script), is ZEROSHIM_DISABLED set on some nodes only, or are they slow to build their "
-                       "engine, or build none (an engine on some ranks only)? " + _remedy())
+                       "(zeroshim-run, or import zeroshim in the training script), is ZEROSHIM_DISABLED set on "
+                       "some nodes only, or are they slow to build their engine, or build none (an engine on some "
+                       "ranks only)? " + _remedy())
             _log.emit(logging.ERROR, _log.EVERY, "%s", message)
             raise RanksDisagree(message)
         if now >= next_warning:
@@ -318,10 +322,10 @@ def _act_on(splits: "list[dict]", where: str) -> None:
         if split["rule"] == "stop":
             continue
         here = split["patch"] in known
-        _log.warning("zeroshim: the ranks disagree: %s. It changes which collectives run, so it is turned off "
-                     "on every rank (what an unpatched job runs). Set %s alike on every node to choose",
-                     describe(split), _core.get_patch(split["patch"]).flag if here else "its flag",
-                     scope=_log.EVERY)
+        kind = "which collectives run" if not here or _core.get_patch(split["patch"]).collective else "the numbers"
+        _log.warning("zeroshim: the ranks disagree: %s. It changes %s, so it is turned off on every rank (what an "
+                     "unpatched job runs). Set %s alike on every node to choose", describe(split), kind,
+                     _core.get_patch(split["patch"]).flag if here else "its flag", scope=_log.EVERY)
         if here:
             _core.agree_off(split["patch"], f"off on every rank because the ranks disagreed: {describe(split)}")
     if stops:

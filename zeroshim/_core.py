@@ -587,8 +587,9 @@ def _forget(name: str) -> None:
     if initial is not None and isinstance(stats, dict):
         from copy import deepcopy
 
-        stats.clear()
-        stats.update(deepcopy(initial))
+        for key in [key for key in stats if key not in initial]:
+            del stats[key]
+        stats.update(deepcopy(initial))  # (never empty meanwhile: a wrapper counting in another thread finds its key)
 
 
 def _undo(name: str, state: _State, new_state: str, reason: str) -> None:

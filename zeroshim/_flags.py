@@ -8,9 +8,11 @@
                                range, ``off`` never applies
 ``ZEROSHIM_LOG_LEVEL=INFO``    attach a stderr handler to the ``zeroshim`` logger
 ``ZEROSHIM_TIMING=1``          benchmark mode: time zeroshim's own work per patch
-``ZEROSHIM_AGREE_TIMEOUT=1800`` seconds a rank waits for the others' decisions about the patches that
-                              change collectives or numbers (0: no check across ranks; ``_agree.py``)
                                (zeroshim/_timing.py); off by default
+``ZEROSHIM_AGREE_TIMEOUT=S``   seconds (default 1800) a rank waits for the
+                               others' decisions about the patches that change
+                               collectives or numbers (0: no check across
+                               ranks; ``_agree.py``)
 =============================  ==================================================
 
 Bad values in the environment never raise (a training job must still start),

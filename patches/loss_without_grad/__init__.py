@@ -88,9 +88,9 @@ def _kept_since_last_backward() -> "int | None":
         return None
     from zeroshim.patches import nonreentrant_checkpoint
 
-    now = nonreentrant_checkpoint.stats["kept_no_grad_input"]
-    delta, _seen["kept_no_grad_input"] = now - _seen["kept_no_grad_input"], now
-    return delta
+    now, before = nonreentrant_checkpoint.stats["kept_no_grad_input"], _seen["kept_no_grad_input"]
+    _seen["kept_no_grad_input"] = now
+    return now - before if now >= before else now  # its counters start again from 0 when it is undone
 
 
 def _message(engine, loss) -> str:

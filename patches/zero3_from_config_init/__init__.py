@@ -152,6 +152,7 @@ def patch_modeling_utils(module, patcher: Patcher) -> None:
 
 PATCH = Patch(
     changes=("numbers", "collectives"),
+    on_disagreement="stop",  # without it the model keeps torch's default initialisation, silently
     name=NAME,
     summary="from_config() under ZeRO-3 keeps torch's default initialisation instead of the model's _init_weights "
             "(silent)",
