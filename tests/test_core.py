@@ -46,12 +46,14 @@ def test_undo_resets_a_shipped_patch_s_counters_and_once_messages(tmp_path):
             "from zeroshim.patches import scheduler_dropped_groups as p; s = p.stats; initial = dict(s); "
             "s['dropped_groups'] = 3; o = type('O', (), {})(); p._trimmed[o] = 1; "
             "_log.warning('x', once=(p.NAME, 'aligned')); _log.warning('y', once=('guard', p.NAME)); "
-            "_log.warning('z', once=('other', 'key')); zeroshim.unpatch(p.NAME); "
+            "_log.warning('z', once=('other', 'key')); _log.warning('b', once=('bypass', p.NAME, 'x')); "
+            "zeroshim.unpatch(p.NAME); "
             "print(json.dumps([s is p.stats, s == initial, len(p._trimmed), "
-            "[k in _log._seen for k in ((p.NAME, 'aligned'), ('guard', p.NAME), ('other', 'key'))]]))")
+            "[k in _log._seen for k in ((p.NAME, 'aligned'), ('guard', p.NAME), ('bypass', p.NAME, 'x'), "
+            "('other', 'key'))]]))")
     same, reset, trimmed, seen = json.loads(python(code, tmp_path).stdout.splitlines()[-1])
     assert same and reset and trimmed == 0
-    assert seen == [False, False, True]  # another patch's or the core's once-messages stay said
+    assert seen == [False, False, False, True]  # another patch's or the core's once-messages stay said
 
 
 def test_a_needed_patch_not_imported_yet_counts_as_registered(tmp_path):

@@ -163,10 +163,10 @@ def forget(key: object) -> None:
 
 
 def forget_patch(patch: str) -> None:
-    """Let every ``once`` message of ``patch`` be logged again (its undo): the keys ``(patch, ...)`` and
-    ``("guard", patch)``."""
+    """Let every ``once`` message of ``patch`` be logged again (its undo): the keys ``(patch, ...)``, and the
+    core's own about it, ``("guard", patch)`` and ``("bypass", patch, ...)``."""
     with _seen_lock:
         keys = [key for key in _seen if isinstance(key, tuple) and key and
-                (key[0] == patch or key == ("guard", patch))]
+                (key[0] == patch or (key[0] in ("guard", "bypass") and key[1:2] == (patch,)))]
     for key in keys:
         forget(key)
