@@ -162,8 +162,7 @@ def _store_and_world():
         store = _dist.default_store(dist)
     except Exception as exc:  # an MPI-only group, a torch without the private accessor
         _log.warning("zeroshim: cannot check that the ranks agree about the patches that change collectives or "
-                     "numbers "
-                     "(no key-value store: %r); set every ZEROSHIM_* flag alike on every node", exc,
+                     "numbers (no key-value store: %r); set every ZEROSHIM_* flag alike on every node", exc,
                      scope=_log.RANK0, once=("agree", "nostore"))
         return None
     return store, world, rank
@@ -321,12 +320,12 @@ def _act_on(splits: "list[dict]", where: str) -> None:
     for split in splits:
         if split["rule"] == "stop":
             continue
-        here = split["patch"] in known
-        kind = "which collectives run" if not here or _core.get_patch(split["patch"]).collective else "the numbers"
+        patch = _core.get_patch(split["patch"]) if split["patch"] in known else None
+        kind = "the numbers" if patch is not None and not patch.collective else "which collectives run"
         _log.warning("zeroshim: the ranks disagree: %s. It changes %s, so it is turned off on every rank (what an "
                      "unpatched job runs). Set %s alike on every node to choose", describe(split), kind,
-                     _core.get_patch(split["patch"]).flag if here else "its flag", scope=_log.EVERY)
-        if here:
+                     patch.flag if patch is not None else "its flag", scope=_log.EVERY)
+        if patch is not None:
             _core.agree_off(split["patch"], f"off on every rank because the ranks disagreed: {describe(split)}")
     if stops:
         flags = ", ".join(_core.get_patch(s["patch"]).flag for s in stops if s["patch"] in known)
