@@ -69,8 +69,7 @@ MATRIX = {
     "ds0.16.9": ["deepspeed==0.16.9", "transformers==4.49.*", "peft==0.14.*", "accelerate==1.15.0"],
     "ds0.19.2": ["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"],
     "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
-    # light (LIGHT): transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form, and 5.0-5.2
-    # zero3_from_config_init
+    # light (LIGHT): transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form
     "tf5.0.0": ["deepspeed==0.19.8", "transformers==5.0.0", "accelerate==1.15.0"],
     # light: DeepSpeed 0.18.3-0.18.x averages bf16 ZeRO-1's fp32-accumulated gradients without the boundary
     # micro-batch (bf16_zero1_last_microbatch)

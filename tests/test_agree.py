@@ -359,20 +359,44 @@ def test_every_off_rule_patch_split_is_turned_off_on_every_rank_and_the_run_trai
     assert acting, "no off-rule patch is active on rank 0 in this environment: the test proves nothing"
 
 
+# the patches that change collectives whose wrappers the plain run does not reach, and its --peft run does (the HF
+# loading path with a LoRA adapter, DeepSpeed's default persistence threshold, save_pretrained on every rank)
+PEFT_RUN = ("zero3_from_config_init", "zero3_gloo_gather", "zero3_hf_config_weakref", "zero3_lora_target_parameters",
+            "zero3_peft_save")
+
+
+def _run_args(peft: bool) -> tuple:
+    return ("--peft",) if peft else ()
+
+
 @pytest.fixture(scope="module")
 def agreeing(tmp_path_factory):
-    """The scenario with every flag alike: what each rank decided, and which patches' wrappers ran."""
-    return _launch(tmp_path_factory.mktemp("agree"))
+    """The scenario with every flag alike, plain or ``--peft`` (launched when first asked for): what each rank
+    decided, and which patches' wrappers ran."""
+    runs = {}
+
+    def run(peft: bool = False) -> dict:
+        if peft not in runs:
+            runs[peft] = _launch(tmp_path_factory.mktemp("agree"), None, *_run_args(peft))
+        return runs[peft]
+
+    return run
 
 
 @pytest.mark.deepspeed
-def test_ranks_that_agree_train_as_before(agreeing):
-    result = agreeing
+@pytest.mark.parametrize("peft", [False, True], ids=["plain", "peft"])
+def test_ranks_that_agree_train_as_before(agreeing, peft):
+    result = agreeing(peft)
     assert result["returncode"] == 0, result["log"][-3000:]
     for out in result["ranks"]:
-        assert out["stage"] == "done" and out["agree"]["checks"] == 1 and out["agree"]["disagreements"] == 0
+        # one check per job: before the engine, or before a patch that acts earlier first gathers (--peft)
+        assert out["stage"] == "done" and out["agree"]["checks"] == 1 and out["agree"]["disagreements"] == 0, \
+            result["log"][-3000:]
         assert out["status"]["zero3_generate_sync"][0] == "applied"
         assert len(out["tokens"]) == 4 + (2 if out is result["ranks"][0] else 6)
+        if peft:  # what the --peft run is for: each of its patches' wrappers runs wherever the patch acts
+            acting = [name for name in PEFT_RUN if _core.gate_verdict(_core.get_patch(name))[0]]
+            assert set(acting) <= set(out["guards"]["reached"]), (acting, out["guards"]["reached"])
 
 
 def _acts_here(name: str) -> None:
@@ -395,12 +419,14 @@ def test_a_guard_failure_on_one_rank_stops_the_run_naming_the_patch(tmp_path, na
     ranks would run different collectives); it stops with CollectivePatchFailed naming the flag, and the job
     ends within seconds instead of hanging."""
     _acts_here(name)
-    assert agreeing["returncode"] == 0 and all(out and out["stage"] == "done" for out in agreeing["ranks"]), \
+    peft = name in PEFT_RUN
+    alike = agreeing(peft)  # the same run with every flag alike
+    assert alike["returncode"] == 0 and all(out and out["stage"] == "done" for out in alike["ranks"]), \
         "the run with every flag alike did not finish: which wrappers run is unknown"
-    if name not in agreeing["ranks"][1]["guards"]["reached"]:  # (the same run with every flag alike)
-        pytest.skip(f"{name}'s wrappers are not reached by this scenario (generate, one checkpointed ZeRO-3 step)")
+    if name not in alike["ranks"][1]["guards"]["reached"]:
+        pytest.skip(f"{name}'s wrappers are not reached by this scenario{' (--peft)' if peft else ''}")
     start = time.monotonic()
-    result = _launch(tmp_path, None, "--fail-guard", name)
+    result = _launch(tmp_path, None, *_run_args(peft), "--fail-guard", name)
     rank1 = result["ranks"][1]
     assert rank1 is not None and rank1["guards"]["injected"] == 1, result["log"][-3000:]
     assert time.monotonic() - start < 100, "the run did not stop within seconds"

@@ -1,5 +1,6 @@
 """Patch zero3_from_config_init against real transformers and DeepSpeed (patches/zero3_from_config_init/scenario.py),
-2 ranks: from_config of a tiny Llama under a ZeRO-3 HfDeepSpeedConfig."""
+2 ranks: from_config of a tiny Llama (without and with a padding row) and from_pretrained of a tiny Gemma 3 under
+a ZeRO-3 HfDeepSpeedConfig."""
 
 import pytest
 
@@ -7,11 +8,13 @@ from harness import load_proof, torchrun
 from zeroshim import _versions
 
 pytestmark = pytest.mark.deepspeed
-# written here from the released wheels (5.0.0-5.2.x build under zero.Init without initialising again; 5.3.0 calls
-# initialize_weights_zero3), not read from the patch's gate: tests/test_inert_gates.py compares the two
+# written here from the released wheels (4.52.0-5.2.x initialise by smart_apply, which DeepSpeed's gathering
+# Module.apply does not see; 5.3.0 calls initialize_weights_zero3; 4.57.x's from_pretrained gathers nothing), not
+# read from the patch's gate: tests/test_inert_gates.py compares the two
 TRANSFORMERS = _versions.installed("transformers")
-AFFECTED = TRANSFORMERS is not None and \
-    _versions.base_version("5.0.0") <= _versions.base_version(TRANSFORMERS) < _versions.base_version("5.3.0")
+_BASE = _versions.base_version(TRANSFORMERS) if TRANSFORMERS else None
+AFFECTED = _BASE is not None and _versions.base_version("4.52.0") <= _BASE < _versions.base_version("5.3.0")
+FROM_PRETRAINED = _BASE is not None and _versions.base_version("4.57.0") <= _BASE < _versions.base_version("4.58.0")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,34 @@ def test_with_zeroshim_the_model_is_initialised_by_its_init_weights_on_every_ran
         assert proof.follows(rank["with"], rank["reference"]), (rank["with"]["std"], rank["reference"]["std"])
         assert rank["with"]["sha"] == ranks[0]["with"]["sha"]  # one model: rank 0 initialised, every rank received
         assert rank["plain/with"]["sha"] == rank["reference"]["sha"]  # no DeepSpeed config: nothing changed
-        assert (rank["stats"]["acted"] == 1) == AFFECTED, rank["stats"]
+        assert (rank["stats"]["modules"] > 0) == AFFECTED, rank["stats"]
+
+
+def test_a_padding_row_fails_without_zeroshim_and_is_zero_with_it(ranks):
+    proof = load_proof("zero3_from_config_init", record=False)
+    for rank in ranks:
+        if AFFECTED:  # _init_weights indexes the padding row of an empty shard
+            assert not rank["pad/without"]["ok"], rank["pad/without"]
+            assert rank["pad/without"]["error"].startswith("IndexError: index 0 is out of bounds for dimension 0 "
+                                                           "with size 0"), rank["pad/without"]["error"]
+        assert rank["pad/with"]["ok"] and rank["pad/with"]["pad_row_zero"], rank["pad/with"]
+        assert proof.follows(rank["pad/with"], rank["pad/reference"])
+
+
+def test_from_pretrained_of_gemma3_loads_the_checkpoint_bit_for_bit(ranks):
+    """Gemma 3's scaled word embedding has a padding row and a buffer: transformers 4.57 initialises it, before the
+    load, on its empty shard (IndexError); with zeroshim every rank loads the checkpoint's weights bit for bit."""
+    if "gemma/reference" not in ranks[0]:
+        pytest.skip(f"transformers {TRANSFORMERS} has no Gemma 3")
+    for rank in ranks:
+        assert rank["gemma/reference"]["ok"], rank["gemma/reference"]
+        if FROM_PRETRAINED:
+            assert not rank["gemma/without"]["ok"], rank["gemma/without"]
+            assert rank["gemma/without"]["error"].startswith("IndexError: index 0 is out of bounds")
+        else:
+            assert rank["gemma/without"]["sha"] == rank["gemma/reference"]["sha"]
+        assert rank["gemma/with"]["ok"], rank["gemma/with"]
+        assert rank["gemma/with"]["sha"] == rank["gemma/reference"]["sha"]
 
 
 def test_status_follows_the_range(ranks):

@@ -27,22 +27,28 @@ def follows(run: dict, reference: dict) -> bool:
 
 def judge(ranks):
     """Proven: on every rank, without zeroshim the ZeRO-3 model is not initialised as the model built without
-    DeepSpeed (torch's default initialisation); with zeroshim every parameter is (constant ones bit for bit, random
-    ones at the reference's scale) and every rank holds the same model; and without a DeepSpeed config zeroshim
-    changed nothing, bit for bit."""
-    runs = ("reference", "without", "with", "plain/with")
+    DeepSpeed (torch's default initialisation), and with a padding row it fails or is not either; with zeroshim
+    every parameter is (constant ones bit for bit, random ones at the reference's scale, the padding row zero) and
+    every rank holds the same model; and without a DeepSpeed config zeroshim changed nothing, bit for bit."""
+    runs = ("reference", "without", "with", "plain/with", "pad/reference", "pad/with")
     if not ranks or not all(r[k].get("ok") for r in ranks for k in runs):
         return "a run failed", "a run failed", False
     r0 = ranks[0]
-    wrong = all(r["without"]["partitioned"] and not follows(r["without"], r["reference"]) for r in ranks)
-    fixed = all(r["with"]["partitioned"] and follows(r["with"], r["reference"]) for r in ranks) \
+    wrong = all(r["without"]["partitioned"] and not follows(r["without"], r["reference"])
+                and not (r["pad/without"].get("ok") and follows(r["pad/without"], r["pad/reference"])) for r in ranks)
+    fixed = all(r["with"]["partitioned"] and follows(r["with"], r["reference"]) and r["pad/with"]["partitioned"]
+                and follows(r["pad/with"], r["pad/reference"]) and r["pad/with"]["pad_row_zero"] for r in ranks) \
         and len({str(sorted(r["with"]["sha"].items())) for r in ranks}) == 1
     harmless = all(r["plain/with"]["sha"] == r["reference"]["sha"] for r in ranks)
+    pad = r0["pad/without"]
     without = (f"torch's default initialisation (embedding std {r0['without']['embed_std']:.3f}, q_proj "
                f"{r0['without']['q_std']:.3f}; the model's own: {r0['reference']['embed_std']:.3f}, "
-               f"{r0['reference']['q_std']:.3f})" if wrong else "initialised as without DeepSpeed: the bug did not show")
+               f"{r0['reference']['q_std']:.3f}); with a padding row: "
+               + (pad["error"] if not pad.get("ok") else "the same") if wrong
+               else "initialised as without DeepSpeed: the bug did not show")
     with_ = ("initialised as the model built without DeepSpeed (embedding std "
-             f"{r0['with']['embed_std']:.3f}, q_proj {r0['with']['q_std']:.3f}), the same on every rank" if fixed else
+             f"{r0['with']['embed_std']:.3f}, q_proj {r0['with']['q_std']:.3f}; with a padding row too, that row "
+             "zero), the same on every rank" if fixed else
              "not initialised as the model built without DeepSpeed") + ("" if harmless else "; a plain build changed")
     return without, with_, wrong and fixed and harmless
 

@@ -1,5 +1,7 @@
 """Scenario for patch ``zero3_from_config_init``: ``AutoModelForCausalLM.from_config`` of a tiny Llama (2 layers,
-width 32, vocabulary 64, untied embeddings), seed 0, with and without a ZeRO-3 ``HfDeepSpeedConfig``, 2 ranks.
+width 32, vocabulary 64, untied embeddings), seed 0, with and without a ZeRO-3 ``HfDeepSpeedConfig``, 2 ranks;
+the same with ``pad_token_id=0`` (``pad/...``: an embedding with a padding row); and ``from_pretrained`` of a tiny
+Gemma 3 (``gemma/...``: its scaled word embedding has a padding row and a buffer) saved without DeepSpeed.
 
 Runs, in one process per rank:
 
@@ -10,7 +12,8 @@ Runs, in one process per rank:
   from the generator);
 * ``plain/with``: no DeepSpeed config, with zeroshim: equal to the reference (the patch does not act).
 
-Each run records, per parameter, a SHA-256 and the standard deviation of the full tensor (gathered under ZeRO-3).
+Each run records, per parameter, a SHA-256 and the standard deviation of the full tensor (gathered under ZeRO-3),
+and whether the embedding's padding row is zero.
 """
 
 import contextlib
@@ -24,15 +27,55 @@ deepspeed = import_deepspeed()
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 
-def build(zero3: bool) -> dict:
+def build(zero3: bool, pad: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     keep = HfDeepSpeedConfig(dict(ZERO3)) if zero3 else None  # noqa: F841  (a weak reference is all HF keeps)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                         pad_token_id=0 if pad else None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    out = digest(model)
+    del keep
+    return out
+
+
+def gemma_config():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                            sliding_window=16, pad_token_id=0)
+
+
+def save_gemma(where: str) -> str:
+    """Rank 0 saves a seeded tiny Gemma 3 built without DeepSpeed; every rank returns the path."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import Gemma3ForCausalLM
+
+    path = os.path.join(where, "tiny_gemma3")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        Gemma3ForCausalLM(gemma_config()).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def load_gemma(path: str, zero3: bool) -> dict:
+    from transformers import Gemma3ForCausalLM
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(dict(ZERO3)) if zero3 else None  # noqa: F841
+    out = digest(Gemma3ForCausalLM.from_pretrained(path))
+    del keep
+    return out
+
+
+def digest(model) -> dict:
     params = dict(model.named_parameters())
     partitioned = any(hasattr(p, "ds_id") for p in params.values())
     out = {"partitioned": partitioned, "sha": {}, "std": {}}
@@ -43,7 +86,7 @@ def build(zero3: bool) -> dict:
             out["std"][name] = p.detach().float().std().item()
         out["embed_std"] = params["model.embed_tokens.weight"].std().item()
         out["q_std"] = params["model.layers.0.self_attn.q_proj.weight"].std().item()
-    del keep
+        out["pad_row_zero"] = not params["model.embed_tokens.weight"][0].any().item()
     return out
 
 
@@ -51,12 +94,25 @@ def main():
     out, results = begin()
     results["reference"] = attempt(build, False)
     results["without"] = attempt(build, True)
+    results["pad/reference"] = attempt(build, False, True)
+    results["pad/without"] = attempt(build, True, True)
+    try:
+        import transformers.models.gemma3  # noqa: F401  (transformers >= 4.50)
+    except ImportError:
+        gemma = None
+    else:
+        gemma = save_gemma(out)
+        results["gemma/reference"] = attempt(load_gemma, gemma, False)
+        results["gemma/without"] = attempt(load_gemma, gemma, True)
 
     zeroshim = enable_zeroshim()
 
     results["status"] = zeroshim.status()["zero3_from_config_init"].as_dict()
     results["with"] = attempt(build, True)
     results["plain/with"] = attempt(build, False)
+    results["pad/with"] = attempt(build, True, True)
+    if gemma:
+        results["gemma/with"] = attempt(load_gemma, gemma, True)
     results["stats"] = dict(zeroshim.stats("zero3_from_config_init"))
     end(out, results)
 

@@ -5,13 +5,22 @@ variables exported on that rank only, before ``import zeroshim``: a flag set on 
 records "hang" (``common.watch_for_hang``) where generate or the step never returns.  The model checkpoints
 its layers (reentrant, as HF's default), so that the checkpointing patches' wrappers run too; each rank records
 which patches' wrappers ran (``guards``).  ``--fail-guard PATCH`` makes rank 1 fail inside PATCH's wrapper
-(zeroshim's own error on one rank)."""
+(zeroshim's own error on one rank).
+
+``--peft``: the loading path of an HF script with a LoRA adapter instead, which reaches the patches the plain run
+does not: a ZeRO-3 ``HfDeepSpeedConfig`` built in a helper that keeps nothing (zero3_hf_config_weakref), the model
+from ``from_config`` (under ``zero.Init`` where that config lives), peft LoRA on the attention projections and,
+where peft has them (>= 0.17), ``target_parameters`` on the MLP's down projection (zero3_lora_target_parameters);
+DeepSpeed's default ``stage3_param_persistence_threshold``, so the small LoRA parameters persist and are gathered
+together after the step (zero3_gloo_gather); then generate, one step, and ``save_pretrained`` on every rank
+(zero3_peft_save).  No activation checkpointing."""
 
 import argparse
 import json
 import os
 import sys
 import time
+import traceback
 
 RANK = int(os.environ.get("RANK", "0"))
 os.environ.update(json.loads(os.environ.get(f"ZSAGREE_RANK{RANK}", "{}")))
@@ -23,8 +32,8 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout,
 import zeroshim  # noqa: E402,F401
 import torch  # noqa: E402
 
-from common import (ds_config, import_deepspeed, init_distributed, tiny_llama, versions,  # noqa: E402
-                    watch_for_hang, write_results)
+from common import (ds_config, import_deepspeed, init_distributed, tiny_llama, tiny_llama_config,  # noqa: E402
+                    versions, watch_for_hang, write_results)
 
 deepspeed = import_deepspeed()
 
@@ -55,35 +64,68 @@ def watch_guards(fail: "str | None") -> dict:
     return seen
 
 
+def peft_model(config: dict):
+    """The ``--peft`` model: a ZeRO-3 HfDeepSpeedConfig dropped by the helper that built it, ``from_config``, LoRA."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    def configure():  # the user's helper: builds the config, keeps nothing
+        HfDeepSpeedConfig(config)
+
+    configure()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    if "target_parameters" in {f.name for f in dataclasses.fields(LoraConfig)}:  # peft >= 0.17
+        lora["target_parameters"] = ["mlp.down_proj.weight"]
+    return get_peft_model(model, LoraConfig(**lora))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--fail-guard", metavar="PATCH", help="fail inside PATCH's guard on rank 1")
+    parser.add_argument("--peft", action="store_true", help="the HF loading path with a LoRA adapter (see above)")
     args = parser.parse_args()
     rank, _ = init_distributed()
     results = {"versions": versions(), "stage": "init"}
     watch_for_hang(args, results, "hang")  # past --timeout: results["hang"], with the stage it was in
     results["guards"] = watch_guards(args.fail_guard if rank == 1 else None)
-    model = tiny_llama()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # their patches too
     prompt = torch.tensor([[1, 5 + rank, 9, 17]])
     kw = {"max_new_tokens": 2 if rank == 0 else 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    config = ds_config(3, micro_batch=1, bf16=False)
     start = time.time()
     try:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                          config=ds_config(3, micro_batch=1, bf16=False))
-        results["stage"] = "generate"
-        with torch.no_grad():
-            results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
-        results["stage"] = "train"
-        loss = engine(prompt, labels=prompt).loss
-        engine.backward(loss)
-        engine.step()
-        results["loss"] = loss.item()
+        if args.peft:
+            del config["zero_optimization"]["stage3_param_persistence_threshold"]  # DeepSpeed's default
+            model = peft_model(config)
+        else:
+            model = tiny_llama()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # their patches
+        trained = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trained, lr=0.1), config=config)
+        # --peft trains first: peft's target_parameters wrapper under ZeRO-3 crashes a generate() that comes
+        # before any forward ("size mismatch ... vec (0)", DeepSpeed 0.19.8, peft 0.21.2), with or without zeroshim
+        for stage in ("train", "generate", "save") if args.peft else ("generate", "train"):
+            results["stage"] = stage
+            if stage == "generate":
+                with torch.no_grad():
+                    results["tokens"] = engine.module.generate(prompt, **kw)[0].tolist()
+            elif stage == "train":
+                loss = engine(prompt, labels=prompt).loss
+                engine.backward(loss)
+                engine.step()
+                results["loss"] = loss.item()
+            else:  # every rank calls it, as HF Trainer does; rank 0 writes
+                engine.module.save_pretrained(os.path.join(os.path.dirname(args.out), "adapter"),
+                                              is_main_process=rank == 0)
         results["stage"] = "done"
     except Exception as exc:  # what the rank stopped with, as the user would see it
-        results["stopped"] = {"type": type(exc).__name__, "message": str(exc)}
+        results["stopped"] = {"type": type(exc).__name__, "message": str(exc), "where": traceback.format_exc(-4)}
     results["seconds"] = time.time() - start
     results["status"] = {name: [s.state, s.reason] for name, s in zeroshim.status().items()}
     agree = sys.modules["zeroshim._agree"]

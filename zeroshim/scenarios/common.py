@@ -128,16 +128,22 @@ def ds_config(stage: int, *, micro_batch: int = 4, bf16: bool = True, clip: floa
     }
 
 
+def tiny_llama_config():
+    """The config of :func:`tiny_llama`: 2 layers of width 32, vocabulary 64."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def tiny_llama():
     """A 2-layer Llama of width 32 (vocabulary 64), seeded: the same weights in every process."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config())
 
 
 def save_tiny_llama(out: str) -> str:
