@@ -69,7 +69,8 @@ MATRIX = {
     "ds0.16.9": ["deepspeed==0.16.9", "transformers==4.49.*", "peft==0.14.*", "accelerate==1.15.0"],
     "ds0.19.2": ["deepspeed==0.19.2", "transformers==4.57.*", "peft==0.17.*", "accelerate==1.15.0"],
     "ds0.19.8": ["deepspeed==0.19.8", "transformers==5.23.*", "peft==0.21.*", "accelerate==1.15.0"],
-    # light (LIGHT): transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form
+    # light (LIGHT): transformers 5.0.0 shows zero3_conversion_dropped_keys's MoE form, and the 5.x form of
+    # zero3_from_config_init (ds0.19.2 proves its 4.x form)
     "tf5.0.0": ["deepspeed==0.19.8", "transformers==5.0.0", "accelerate==1.15.0"],
     # light: DeepSpeed 0.18.3-0.18.x averages bf16 ZeRO-1's fp32-accumulated gradients without the boundary
     # micro-batch (bf16_zero1_last_microbatch)

@@ -119,16 +119,31 @@ def pins_hold(patch, pins: dict) -> "bool | None":
     return low if low == high else None
 
 
-def light_patches(patches, full: dict, verdict=None) -> list:
+def light_patches(patches, full: dict, verdict=None, here: "dict | None" = None) -> list:
     """The patches whose tests a light environment runs (noxfile.py ``LIGHT``, issue #43 item 5): those whose gate
     says affected on this environment's stack (``verdict``: zeroshim's gate verdict, versions and fingerprint) and
-    whose range holds in no full environment of the matrix (``full``: environment -> pins), so that no other
-    environment proves them.  Derived, never listed: a new patch whose bug only such a stack shows is taken up."""
+    whose range holds in no full environment of the matrix (``full``: environment -> pins) on the same major release
+    of each package it depends on as here (``here``: package -> version; the installed ones by default), so that no
+    other environment proves them: transformers 5 rewrote what 4.x did, so a 4.57 environment does not prove the
+    5.0 form of a bug.  Derived, never listed: a new patch whose bug only such a stack shows is taken up."""
+    from zeroshim import _versions
     from zeroshim._core import gate_verdict
 
     verdict = verdict or gate_verdict
+
+    def line(version) -> "str | None":
+        return version.split(".")[0] if isinstance(version, str) and version[:1].isdigit() else None
+
+    def same_line(patch, pins: dict) -> bool:
+        for package in patch.affects:
+            mine = here.get(package) if here is not None else _versions.installed(package)
+            if line(mine) and line(pins.get(package)) and line(mine) != line(pins.get(package)):
+                return False
+        return True
+
     return sorted(p.name for p in patches
-                  if verdict(p)[0] and all(pins_hold(p, pins) is False for pins in full.values()))
+                  if verdict(p)[0] and all(pins_hold(p, pins) is False or not same_line(p, pins)
+                                           for pins in full.values()))
 
 
 def newest_affected(patch, pins: dict) -> "str | None":

@@ -288,6 +288,10 @@ def _launch(tmp_path, rank1=None, *args):
     return torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", *args, env=env, check=False)
 
 
+def _run_args(peft: bool) -> tuple:
+    return ("--peft",) if peft else ()
+
+
 def _newest_only() -> None:
     if os.environ.get("ZSTEST_ENV", NEWEST_ENV) != NEWEST_ENV:
         pytest.skip(f"proves zeroshim's own exchange, not a patch: runs in {NEWEST_ENV}")
@@ -315,12 +319,14 @@ def test_generate_sync_off_on_one_rank_stops_within_seconds_on_every_rank(tmp_pa
 
 
 @pytest.mark.deepspeed
-def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path):
+@pytest.mark.parametrize("peft", [False, True], ids=["plain", "peft"])
+def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path, peft):
     """Every patch whose unpatched failure is silent (rule "stop": some collective ones, every one that changes
     numbers), off on rank 1 only: both ranks stop before the engine is built, and the one line names each of them
-    that acts on rank 0, with rank 1's flag as the reason."""
+    that acts on rank 0, with rank 1's flag as the reason.  ``--peft``: the same where zero3_from_config_init acts
+    before any engine (rank 0 checks before its first gather; rank 1, where it is off, at its next check)."""
     flags = {f"ZEROSHIM_{name.upper()}": "off" for name in STOP}
-    result = _launch(tmp_path, flags)
+    result = _launch(tmp_path, flags, *_run_args(peft))
     assert all(out is not None for out in result["ranks"]), result["log"][-3000:]
     acting = sorted(name for name in STOP if result["ranks"][0]["report"]["patches"][name][0])
     assert len(acting) >= 2, f"only {acting} of the stop-rule patches act here: the test proves no more than one"
@@ -365,10 +371,6 @@ PEFT_RUN = ("zero3_from_config_init", "zero3_gloo_gather", "zero3_hf_config_weak
             "zero3_peft_save")
 
 
-def _run_args(peft: bool) -> tuple:
-    return ("--peft",) if peft else ()
-
-
 @pytest.fixture(scope="module")
 def agreeing(tmp_path_factory):
     """The scenario with every flag alike, plain or ``--peft`` (launched when first asked for): what each rank
@@ -397,6 +399,8 @@ def test_ranks_that_agree_train_as_before(agreeing, peft):
         if peft:  # what the --peft run is for: each of its patches' wrappers runs wherever the patch acts
             acting = [name for name in PEFT_RUN if _core.gate_verdict(_core.get_patch(name))[0]]
             assert set(acting) <= set(out["guards"]["reached"]), (acting, out["guards"]["reached"])
+            if "zero3_from_config_init" in acting:  # its wrapper's guard runs for every module: it must have acted
+                assert out["stats"]["zero3_from_config_init"]["modules"] > 0, out["stats"]["zero3_from_config_init"]
 
 
 def _acts_here(name: str) -> None:

@@ -79,6 +79,25 @@ def test_from_pretrained_of_gemma3_loads_the_checkpoint_bit_for_bit(ranks):
             assert rank["gemma/without"]["sha"] == rank["gemma/reference"]["sha"]
         assert rank["gemma/with"]["ok"], rank["gemma/with"]
         assert rank["gemma/with"]["sha"] == rank["gemma/reference"]["sha"]
+        assert rank["gemma/with"]["gathered"] == 0, rank["gemma/with"]  # the checkpoint fills all: no gather
+        assert (rank["gemma/with"]["loaded"] > 0) == FROM_PRETRAINED, rank["gemma/with"]
+
+
+def test_from_pretrained_initialises_only_the_weight_the_checkpoint_lacks(ranks):
+    """A Llama checkpoint without lm_head: on 4.57 under ZeRO-3 the head is initialised on its empty shard (left
+    as whatever memory it got); with zeroshim it follows _init_weights (gathered), and every weight the checkpoint
+    has is loaded bit for bit."""
+    for rank in ranks:
+        ref, without, with_ = rank["head/reference"], rank["head/without"], rank["head/with"]
+        assert ref["ok"] and with_["ok"], (ref, with_)
+        assert 0.015 < ref["head_std"] < 0.025, ref["head_std"]
+        loaded = {k: v for k, v in ref["sha"].items() if k != "lm_head.weight"}
+        assert {k: with_["sha"][k] for k in loaded} == loaded
+        assert abs(with_["head_std"] - ref["head_std"]) < 0.2 * ref["head_std"], with_["head_std"]
+        assert (with_["gathered"] > 0) == FROM_PRETRAINED, with_  # the head, and the model that holds it
+        assert with_["sha"]["lm_head.weight"] == ranks[0]["head/with"]["sha"]["lm_head.weight"]  # one model
+        if FROM_PRETRAINED:
+            assert not without["ok"] or abs(without["head_std"] - ref["head_std"]) > 0.2 * ref["head_std"], without
 
 
 def test_status_follows_the_range(ranks):

@@ -1,7 +1,8 @@
 """Scenario for patch ``zero3_from_config_init``: ``AutoModelForCausalLM.from_config`` of a tiny Llama (2 layers,
 width 32, vocabulary 64, untied embeddings), seed 0, with and without a ZeRO-3 ``HfDeepSpeedConfig``, 2 ranks;
 the same with ``pad_token_id=0`` (``pad/...``: an embedding with a padding row); and ``from_pretrained`` of a tiny
-Gemma 3 (``gemma/...``: its scaled word embedding has a padding row and a buffer) saved without DeepSpeed.
+Gemma 3 (``gemma/...``: its scaled word embedding has a padding row and a buffer) saved without DeepSpeed, and
+of a tiny Llama whose checkpoint lacks ``lm_head`` (``head/...``: the one weight initialised).
 
 Runs, in one process per rank:
 
@@ -67,11 +68,51 @@ def save_gemma(where: str) -> str:
 
 def load_gemma(path: str, zero3: bool) -> dict:
     from transformers import Gemma3ForCausalLM
+
+    return load(Gemma3ForCausalLM, path, zero3)
+
+
+def save_llama_body(where: str) -> str:
+    """Rank 0 saves the body of the seeded tiny Llama (``LlamaModel``: no ``lm_head``); every rank returns the
+    path.  Loaded as ``LlamaForCausalLM``, the head is a weight the checkpoint lacks."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaModel
+
+    path = os.path.join(where, "tiny_llama_body")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                               pad_token_id=0)).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def load_llama_head(path: str, zero3: bool) -> dict:
+    from transformers import LlamaForCausalLM
+
+    out = load(LlamaForCausalLM, path, zero3)
+    out["head_std"] = out["std"]["lm_head.weight"]
+    return out
+
+
+def load(cls, path: str, zero3: bool) -> dict:
+    """``cls.from_pretrained(path)``, under a ZeRO-3 HfDeepSpeedConfig or not; with how many modules zeroshim
+    initialised gathered in it (``gathered``) and left to the load (``loaded``)."""
+    import sys
+
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
+    zeroshim = sys.modules.get("zeroshim")
+    before = dict(zeroshim.stats("zero3_from_config_init")) if zeroshim else {}
     keep = HfDeepSpeedConfig(dict(ZERO3)) if zero3 else None  # noqa: F841
-    out = digest(Gemma3ForCausalLM.from_pretrained(path))
+    out = digest(cls.from_pretrained(path))
     del keep
+    after = dict(zeroshim.stats("zero3_from_config_init")) if zeroshim else {}
+    out["gathered"] = after.get("modules", 0) - before.get("modules", 0)
+    out["loaded"] = after.get("loaded", 0) - before.get("loaded", 0)
     return out
 
 
@@ -105,6 +146,10 @@ def main():
         results["gemma/reference"] = attempt(load_gemma, gemma, False)
         results["gemma/without"] = attempt(load_gemma, gemma, True)
 
+    body = save_llama_body(out)
+    results["head/reference"] = attempt(load_llama_head, body, False)
+    results["head/without"] = attempt(load_llama_head, body, True)
+
     zeroshim = enable_zeroshim()
 
     results["status"] = zeroshim.status()["zero3_from_config_init"].as_dict()
@@ -113,6 +158,7 @@ def main():
     results["pad/with"] = attempt(build, True, True)
     if gemma:
         results["gemma/with"] = attempt(load_gemma, gemma, True)
+    results["head/with"] = attempt(load_llama_head, body, True)
     results["stats"] = dict(zeroshim.stats("zero3_from_config_init"))
     end(out, results)
 

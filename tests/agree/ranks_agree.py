@@ -64,7 +64,7 @@ def watch_guards(fail: "str | None") -> dict:
     return seen
 
 
-def peft_model(config: dict):
+def peft_model(ds_config: dict):
     """The ``--peft`` model: a ZeRO-3 HfDeepSpeedConfig dropped by the helper that built it, ``from_config``, LoRA."""
     import dataclasses
 
@@ -73,11 +73,16 @@ def peft_model(config: dict):
     from transformers.integrations import HfDeepSpeedConfig
 
     def configure():  # the user's helper: builds the config, keeps nothing
-        HfDeepSpeedConfig(config)
+        HfDeepSpeedConfig(ds_config)
 
     configure()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    config = tiny_llama_config()
+    # no padding row: with one, transformers 4.52-5.2 fails at once (IndexError) on a rank where
+    # zero3_from_config_init is off; without, that rank's model silently keeps torch's defaults, the split the
+    # ranks-agree check must catch
+    config.pad_token_id = None
+    model = AutoModelForCausalLM.from_config(config)
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     if "target_parameters" in {f.name for f in dataclasses.fields(LoraConfig)}:  # peft >= 0.17
         lora["target_parameters"] = ["mlp.down_proj.weight"]
@@ -128,6 +133,7 @@ def main():
         results["stopped"] = {"type": type(exc).__name__, "message": str(exc), "where": traceback.format_exc(-4)}
     results["seconds"] = time.time() - start
     results["status"] = {name: [s.state, s.reason] for name, s in zeroshim.status().items()}
+    results["stats"] = {name: dict(zeroshim.stats(name)) for name in zeroshim.patch_names()}
     agree = sys.modules["zeroshim._agree"]
     results["agree"] = dict(agree.stats)
     results["report"] = next(iter(agree._posted.values()), None)  # what this rank told the others
