@@ -325,6 +325,8 @@ def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path, 
     numbers), off on rank 1 only: both ranks stop before the engine is built, and the one line names each of them
     that acts on rank 0, with rank 1's flag as the reason.  ``--peft``: the same where zero3_from_config_init acts
     before any engine (rank 0 checks before its first gather; rank 1, where it is off, at its next check)."""
+    if peft:  # what the --peft split adds: a patch that acts before any engine
+        _acts_here("zero3_from_config_init")
     flags = {f"ZEROSHIM_{name.upper()}": "off" for name in STOP}
     result = _launch(tmp_path, flags, *_run_args(peft))
     assert all(out is not None for out in result["ranks"]), result["log"][-3000:]
@@ -341,6 +343,8 @@ def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path, 
                 out["stopped"]["message"], (rank, name, out["stopped"]["message"])
             assert flag in out["stopped"]["message"].rsplit(". Set ", 1)[1], (rank, name)
         assert _lines(result["log"], rank, "the ranks disagree about patches that change collectives"), rank
+    if peft:  # rank 0 stopped at the end of its from_config build, before any engine
+        assert "at from_config (zero3_from_config_init)" in result["ranks"][0]["stopped"]["message"]
     assert result["returncode"] != 0
 
 

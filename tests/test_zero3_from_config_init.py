@@ -65,6 +65,17 @@ def test_a_padding_row_fails_without_zeroshim_and_is_zero_with_it(ranks):
         assert proof.follows(rank["pad/with"], rank["pad/reference"])
 
 
+def test_a_head_tied_to_the_embedding_keeps_the_embedding_s_initialisation(ranks):
+    """The build ties lm_head to the embedding before zeroshim initialises the shards: the embedding's values (its
+    padding row zero) must stay, as without DeepSpeed, where the tie comes after each module's _init_weights."""
+    proof = load_proof("zero3_from_config_init", record=False)
+    for rank in ranks:
+        ref, with_ = rank["tied/reference"], rank["tied/with"]
+        assert ref["ok"] and ref["pad_row_zero"] and "lm_head.weight" not in ref["sha"], ref  # one tensor, tied
+        assert with_["ok"] and with_["pad_row_zero"], with_
+        assert proof.follows(with_, ref)
+
+
 def test_from_pretrained_of_gemma3_loads_the_checkpoint_bit_for_bit(ranks):
     """Gemma 3's scaled word embedding has a padding row and a buffer: transformers 4.57 initialises it, before the
     load, on its empty shard (IndexError); with zeroshim every rank loads the checkpoint's weights bit for bit."""

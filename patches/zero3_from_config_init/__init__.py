@@ -77,13 +77,22 @@ Fix
     (building under ``zero.Init`` ran torch's default initialisation first,
     which drew from the generator).  Cost: one gather per module with
     parameters (a child's parameters twice: for it, and for its parent).
-    Not covered: an ``_init_weights`` that sets parameters below a module's
-    direct children (some detection models: OmDet-Turbo, D-FINE, DAB-DETR,
-    Grounding DINO, ESMFold) leaves those as upstream does.  One WARNING per
-    job.
+    Tied weights: the build ties ``lm_head`` to the embedding before this
+    pass, so a parameter initialised earlier in the pass keeps its values (as
+    without ZeRO-3, where the tie's source wins).  A load inside a watched
+    build (a pretrained tower in a model's ``__init__``, 4.57) marks what it
+    loads.  Not covered: an ``_init_weights`` that sets parameters below a
+    module's direct children (some detection models: OmDet-Turbo, D-FINE,
+    DAB-DETR, Grounding DINO, ESMFold) leaves those as upstream does.  A rank
+    with the patch off that runs a collective before its next ranks-agree
+    check (4.57: the load after a checkpoint that lacks weights; a script
+    that resizes embeddings before its engine) leaves the acting rank waiting
+    for it, with a WARNING every 30 s, until ``ZEROSHIM_AGREE_TIMEOUT``, which
+    then stops the run naming that rank.  One WARNING per job.
 
 Undo
-    ``zeroshim.unpatch("zero3_from_config_init")`` restores ``_initialize_weights``.
+    ``zeroshim.unpatch("zero3_from_config_init")`` restores ``_initialize_weights``, ``_from_config`` and
+    ``_initialize_missing_keys``.
 """
 
 from __future__ import annotations
@@ -137,7 +146,9 @@ def _make_initialize_weights(module):
                     stats["loaded"] += 1
                     return None
                 if params:
-                    if all(entry[1] is not target for entry in pending):  # a sub-model's pass visits it again
+                    seen = _state.seen
+                    if id(target) not in seen:  # a sub-model's pass visits it again
+                        seen.add(id(target))
                         pending.append((wrapped, target, args, kwargs))
                     return None
         return wrapped(*args, **kwargs)
@@ -159,21 +170,35 @@ def _finish(pending: list, pretrained_cls, where: str) -> None:
         from transformers import initialization
 
         guard_init = initialization.guard_torch_init_functions()
+    done, modules = set(), 0  # ids of the parameters initialised in this pass
     with torch.no_grad(), guard_init:
         for wrapped, target, args, kwargs in pending:
             params = _placeholders(target, pretrained_cls)
             if not params or getattr(target, "_is_hf_initialized", False):
                 continue
+            # a parameter initialised earlier in this pass is one the build tied to another module's (lm_head to
+            # the embedding: post_init ties after it initialises, so without ZeRO-3 the tie's source keeps its
+            # values): it keeps them here too
+            again = [p for p in params if id(p) in done]
+            if len(again) == len(params):
+                target._is_hf_initialized = True
+                continue
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                kept = [(p, p.data.clone()) for p in again]
                 wrapped(*args, **kwargs)
+                for p, data in kept:
+                    p.data.copy_(data)
+            done.update(id(p) for p in params)
+            modules += 1
             stats["modules"] += 1
             stats["parameters"] += len(params)
-    with guard(NAME):
-        _log.acted(NAME, "ran the model's _init_weights on ZeRO-3 partitioned parameters gathered, module by "
-                         "module, after %s (rank 0's values sent to every rank)",
-                   "transformers %s runs it on empty ZeRO-3 shards: the weights keep torch's defaults or "
-                   "uninitialised memory, and an embedding's padding row fails with IndexError (fixed in 5.3.0)",
-                   where, _versions.shown("transformers"))
+    if modules:
+        with guard(NAME):
+            _log.acted(NAME, "ran the model's _init_weights on ZeRO-3 partitioned parameters gathered, module by "
+                             "module, after %s (rank 0's values sent to every rank)",
+                       "transformers %s runs it on empty ZeRO-3 shards: the weights keep torch's defaults or "
+                       "uninitialised memory, and an embedding's padding row fails with IndexError (fixed in 5.3.0)",
+                       where, _versions.shown("transformers"))
 
 
 @contextlib.contextmanager
@@ -182,11 +207,11 @@ def _watching(missing=None):
     if getattr(_state, "pending", None) is not None:
         yield None
         return
-    _state.pending, _state.missing = [], missing
+    _state.pending, _state.missing, _state.seen = [], missing, set()
     try:
         yield _state.pending
     finally:
-        _state.pending = _state.missing = None
+        _state.pending = _state.missing = _state.seen = None
 
 
 def _make_from_config(module):
@@ -214,7 +239,7 @@ def _make_initialize_missing_keys(module):
         missing = None
         with guard(NAME):
             names = args[0] if args else kwargs.get("missing_keys", ())
-            if is_active(NAME) and getattr(_state, "pending", None) is None:
+            if is_active(NAME):
                 found = set()
                 for name in names:
                     with contextlib.suppress(AttributeError):
@@ -222,6 +247,12 @@ def _make_initialize_missing_keys(module):
                 missing = found
         if missing is None:
             return wrapped(*args, **kwargs)
+        if getattr(_state, "pending", None) is not None:  # a load inside a watched build (a tower in __init__):
+            outer, _state.missing = _state.missing, missing  # what it loads is marked; what it lacks, kept
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                _state.missing = outer
         with _watching(missing) as pending:
             result = wrapped(*args, **kwargs)
             _finish(pending, module.PreTrainedModel, "from_pretrained's initialisation of the weights the "
@@ -269,8 +300,8 @@ def _gathers_detached_tensors(cls) -> bool:
         return False
     try:
         source = inspect.getsource(inspect.unwrap(method))
-    except (OSError, TypeError):  # no source: the from_config part alone
-        return False
+    except (OSError, TypeError):  # no source to read: the releases read (4.57.0-4.57.6) decide
+        return (_versions.installed("transformers") or "").startswith("4.57.")
     return bool(re.search(r"self\.state_dict\(\)\.values\(\)", source)) and \
         list(_signature(method))[:2] == ["self", "missing_keys"]
 

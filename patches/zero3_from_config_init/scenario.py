@@ -1,6 +1,7 @@
 """Scenario for patch ``zero3_from_config_init``: ``AutoModelForCausalLM.from_config`` of a tiny Llama (2 layers,
 width 32, vocabulary 64, untied embeddings), seed 0, with and without a ZeRO-3 ``HfDeepSpeedConfig``, 2 ranks;
-the same with ``pad_token_id=0`` (``pad/...``: an embedding with a padding row); and ``from_pretrained`` of a tiny
+the same with ``pad_token_id=0`` (``pad/...``: an embedding with a padding row), and tied to the head (``tied/...``);
+and ``from_pretrained`` of a tiny
 Gemma 3 (``gemma/...``: its scaled word embedding has a padding row and a buffer) saved without DeepSpeed, and
 of a tiny Llama whose checkpoint lacks ``lm_head`` (``head/...``: the one weight initialised).
 
@@ -28,13 +29,13 @@ deepspeed = import_deepspeed()
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 
-def build(zero3: bool, pad: bool = False) -> dict:
+def build(zero3: bool, pad: bool = False, tied: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     keep = HfDeepSpeedConfig(dict(ZERO3)) if zero3 else None  # noqa: F841  (a weak reference is all HF keeps)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=tied,
                          pad_token_id=0 if pad else None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -137,6 +138,7 @@ def main():
     results["without"] = attempt(build, True)
     results["pad/reference"] = attempt(build, False, True)
     results["pad/without"] = attempt(build, True, True)
+    results["tied/reference"] = attempt(build, False, True, True)
     try:
         import transformers.models.gemma3  # noqa: F401  (transformers >= 4.50)
     except ImportError:
@@ -156,6 +158,7 @@ def main():
     results["with"] = attempt(build, True)
     results["plain/with"] = attempt(build, False)
     results["pad/with"] = attempt(build, True, True)
+    results["tied/with"] = attempt(build, True, True, True)
     if gemma:
         results["gemma/with"] = attempt(load_gemma, gemma, True)
     results["head/with"] = attempt(load_llama_head, body, True)
