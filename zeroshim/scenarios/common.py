@@ -245,10 +245,14 @@ def param_digest(engine, values: bool = False) -> dict:
 
 
 def write_results(out_dir: str, results: dict) -> None:
+    """This rank's results, written whole or not at all (a rank the launcher kills while it writes, because
+    another rank stopped, leaves no half-written file)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".part", "w") as fh:
         json.dump(results, fh, indent=1, sort_keys=True)
+    os.replace(path + ".part", path)
     with open(os.path.join(out_dir, f"timing{rank}.json"), "w") as fh:
         json.dump({"ready": _TIMES.get("ready"), "written": time.time()}, fh)
 
