@@ -10,7 +10,7 @@ from zeroshim import _versions
 pytestmark = pytest.mark.deepspeed
 NAME = "zero3_peft_save"
 PATCH = zeroshim.get_patch(NAME)
-# transformers 5.0.0 gathers a peft model's trainable parameters itself (#41416)
+# transformers 5.0.0 gathers a peft model's trainable parameters itself (#41416), and only those
 TRAINER_AFFECTED = _versions.base_version(_versions.installed("transformers")) < _versions.base_version("5.0.0")
 proof = load_proof("zero3_peft_save")  # the judge zeroshim prove uses, and its helpers
 
@@ -45,6 +45,51 @@ def test_trainer_adapter_equals_zero2(ranks):
         assert worst < 1e-6, worst
 
 
+EMBEDDINGS = ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
+
+
+def test_trainer_saves_the_embeddings_peft_selects(ranks):
+    """The vocabulary resized before LoRA (64 -> 68 tokens, embeddings frozen): peft saves the embeddings too
+    (ZeRO-2 does).  Under ZeRO-3 transformers >= 5 gathers only the trainable tensors and leaves them out, silently
+    (< 5: no tensors at all without the 16-bit gather, the whole model gathered with it); with zeroshim both
+    gather settings write the file a by-hand gather of the whole model writes, bit for bit, and its embeddings are
+    the ZeRO-2 run's (frozen: the same values)."""
+    for rank in ranks:
+        zero2 = rank["zero2_resized"]
+        assert zero2["ok"] and set(EMBEDDINGS) <= set(zero2["shapes"]), zero2.get("error")
+        for case in ("resized_off", "resized_on"):
+            out, fix = rank["without"][case], rank["with"][case]
+            assert out["ok"] and fix["ok"], (out.get("error"), fix.get("error"))
+            assert proof.whole(fix) and fix["sha256"] == fix["by_hand"]["sha256"], case
+            assert all(fix["values"][key] == zero2["values"][key] for key in EMBEDDINGS), case
+            assert fix["losses"] == out["losses"], case
+            if not TRAINER_AFFECTED:  # the bug: every LoRA tensor, no embedding, nothing said
+                assert proof.lost_embeddings(out, fix), (case, sorted(out["shapes"]))
+            elif case == "resized_off":
+                assert proof.empty(out), out.get("shapes")
+            else:  # the whole model gathered onto rank 0: a right file
+                assert out["sha256"] == out["by_hand"]["sha256"]
+
+
+def test_trainer_gathers_only_what_peft_writes(ranks):
+    """What the saving rank's ``Trainer._save`` receives: with zeroshim only the tensors peft writes (the LoRA
+    tensors; with the vocabulary resized, the embeddings too), in every case; without it, on transformers < 5
+    with the 16-bit gather, every tensor of the model (the frozen base in host memory)."""
+    rank = ranks[0]
+    ref, fix = rank["reference"]["trainer"], rank["with"]["gather_on"]
+    assert proof.whole(fix) and fix["sha256"] == ref["sha256"]
+    lora = sum(proof.elements(shape) for shape in fix["shapes"].values())
+    assert fix["received"] == [{"tensors": len(fix["shapes"]), "elements": lora}]
+    if TRAINER_AFFECTED:
+        assert ref["received"][0]["elements"] > 20 * lora, ref["received"]
+    else:
+        assert ref["received"] == fix["received"]
+    for case in ("resized_off", "resized_on"):
+        saved = rank["with"][case]
+        assert saved["received"] == [{"tensors": len(saved["shapes"]),
+                                      "elements": sum(proof.elements(s) for s in saved["shapes"].values())}]
+
+
 def test_custom_loop_saves(ranks):
     for rank in ranks:
         ref, out, fix = (rank[k]["custom"] for k in ("reference", "without", "with"))
@@ -77,11 +122,16 @@ def test_status_and_action(ranks):
     for index, rank in enumerate(ranks):
         assert rank["status"]["state"] == "applied", rank["status"]
         # two gathered saves on every rank; two lone saves on rank 0 (peft's file) and two on rank 1 (skipped:
-        # rank 1 alone, and the all-"main" save); the Trainer's adapter
-        # replaced on the saving rank where transformers drops it
+        # rank 1 alone, and the all-"main" save); the Trainer saves zeroshim gathered, counted where they are
+        # written (rank 0): transformers < 5 without the 16-bit gather ("dropped": plain and resized) and with it
+        # ("full": resized and plain); transformers >= 5 only the resized ones ("frozen", both settings)
+        saving = index == 0
+        trainer = ({"trainer_dropped": 2, "trainer_full": 2, "trainer_frozen": 0} if TRAINER_AFFECTED
+                   else {"trainer_dropped": 0, "trainer_full": 0, "trainer_frozen": 2})
+        trainer = {k: v if saving else 0 for k, v in trainer.items()}
         assert rank["stats"] == {"gathered": 2, "alone": 2, "skipped": 0 if index == 0 else 2,
-                                 "trainer_gathered": int(TRAINER_AFFECTED and index == 0)}
-        assert ("wrapped" in rank["trainer_target"]) == TRAINER_AFFECTED
+                                 "trainer_gathered": sum(trainer.values()), **trainer}
+        assert "wrapped" in rank["trainer_target"]
 
 
 def test_an_unreadable_trainer_source_never_turns_the_patch_off(monkeypatch):
@@ -102,8 +152,7 @@ def test_an_unreadable_trainer_source_never_turns_the_patch_off(monkeypatch):
     patcher = Patcher(NAME)
     try:
         patch.patch_trainer(transformers.trainer, patcher)  # raises TargetChanged if the source decided
-        said = patch._where["trainer"]
-        assert said == ("Trainer.save_model and Trainer._save wrapped" if TRAINER_AFFECTED
-                        else "Trainer.save_model gathers peft models under ZeRO-3 itself")
+        assert patch._where["trainer"].startswith("Trainer.save_model and Trainer._save wrapped")
+        assert patch._where["trainer_kind"] == ("fallback" if TRAINER_AFFECTED else "gathers")
     finally:
         patcher.undo()

@@ -9,6 +9,20 @@ Symptom
       checkpoint ``save_strategy`` writes) leaves ``adapter_model.safetensors``
       with no tensors at all; the same run under ZeRO-2 saves every tensor.
       Reports: trl #4416, peft #2892, DeepSpeed #7900.
+    * HF Trainer (transformers >= 5.0, either gather setting), the vocabulary
+      resized before LoRA (new special tokens) with the embeddings frozen:
+      peft says "Setting `save_embedding_layers` to `True` as the embedding
+      layer has been resized during finetuning" and writes the LoRA tensors
+      only; the embeddings it means to save are left out of the file (ZeRO-2
+      writes them).  Loading the adapter on a freshly resized base gives the
+      new tokens other embeddings than training had.  Found here, not found
+      reported; ms-swift's ``_fix_zero3_gather_all_parameters`` (transformers
+      < 5) does the same.
+    * HF Trainer (transformers < 5.0) with ``stage3_gather_16bit_weights_on_model_save``:
+      right files, but every save gathers the whole model, frozen base
+      included, into the saving rank's host memory to write the adapter's
+      few tensors (what ms-swift's ``_fix_zero3_gather_all_parameters`` and
+      transformers 5 avoid; at 70B that is 140 GB of bf16 per save).
     * A custom loop around ``deepspeed.initialize``: ``model.save_pretrained(dir)``
       or ``get_peft_model_state_dict(model)`` returns and writes every
       partitioned adapter tensor as a ``torch.Size([0])`` placeholder, on
@@ -34,13 +48,15 @@ Cause
     10 x hidden size.
 
 Affected versions
-    Trainer: transformers < 5.0.0 with any DeepSpeed and peft.  Read from the
+    Trainer: every transformers with any DeepSpeed and peft.  Read from the
     released wheels: 4.49.0 and 4.57.6 have the ``_save(state_dict={})``
-    fallback for every model; 5.0.0 (and 5.23.0) gather the trainable
+    fallback for every model, and with the 16-bit gather take accelerate's
+    whole-model ``get_state_dict``; 5.0.0 (and 5.23.0) gather the trainable
     parameters of a peft model under ZeRO-3 themselves
     (``_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)``,
-    huggingface/transformers #41416), so this part is not applied there (the
-    target's source decides).  Custom loops: every peft release (0.14.0,
+    huggingface/transformers #41416), and nothing frozen, whatever peft
+    would write (the target's source tells the two apart).  Run: 4.49.0,
+    4.57.6, 5.23.0 (peft 0.14.0, 0.17.1, 0.21.2).  Custom loops: every peft release (0.14.0,
     0.17.1, 0.18.1, 0.20.0, 0.21.0, 0.21.2 read: none gathers; 0.21.0 added a
     PeftWarning and still writes the placeholders).
 
@@ -48,15 +64,27 @@ Flag
     ``ZEROSHIM_ZERO3_PEFT_SAVE=auto|on|off`` (default ``auto``).
 
 Fix
-    * ``Trainer.save_model`` (transformers < 5): where DeepSpeed runs ZeRO-3
-      without the 16-bit gather and the model is a peft model, every rank
-      first gathers the trainable parameters (one module at a time,
-      ``GatheredParameters(..., modifier_rank=None)``) and the persistent
-      buffers, as transformers 5 does; the dictionary transformers then
-      passes to ``_save`` as ``{}`` on the saving process(es) is replaced by
-      it.  Everything else transformers does (its warning, the DeepSpeed
+    * ``Trainer.save_model``, where DeepSpeed runs ZeRO-3 and the model is a
+      peft model: every rank asks peft what ``save_pretrained`` will write
+      (``get_peft_model_state_dict`` on ``state_dict(keep_vars=True)``, for
+      every adapter: the trainable tensors, and the embeddings where peft
+      saves them), the ranks check in the process group's key-value store
+      that they chose the same tensors (no collective; where they did not
+      within ``RENDEZVOUS_TIMEOUT_S``, a WARNING on every rank and the save is
+      left to transformers), then every rank gathers exactly those (one module
+      at a time, ``GatheredParameters(..., modifier_rank=None)``), kept on
+      the saving process(es).  That dictionary is what transformers saves:
+      it replaces the ``{}`` of transformers < 5 without the 16-bit gather,
+      and otherwise the engine's ``_zero3_consolidated_16bit_state_dict``
+      returns it for the length of the call (instead of gathering the whole
+      model, < 5 with the 16-bit gather, or the trainable tensors only,
+      >= 5; an instance attribute set there before, as ms-swift does, is put
+      back after).  On transformers >= 5 it acts only where peft writes a
+      frozen parameter; otherwise transformers' own save writes the same
+      file.  Everything else transformers does (its warning, the DeepSpeed
       checkpoint it also writes) is unchanged.  Trainer calls ``save_model``
-      on every rank, so the gather is safe there.
+      on every rank, so the gather is safe there.  The files are those of a
+      whole-model gather, bit for bit (tested).
     * ``get_peft_model_state_dict`` (which ``PeftModel.save_pretrained`` calls
       on every rank it runs on): when it would return ZeRO-3 placeholders (it
       is probed with ``state_dict(keep_vars=True)``, no collective), the ranks
@@ -110,7 +138,8 @@ RENDEZVOUS_TIMEOUT_S = 60.0
 #: what the patch did (introspection and tests): Trainer saves whose adapter was gathered,
 #: get_peft_model_state_dict calls gathered, calls made on a rank alone (peft's placeholders returned),
 #: lone save_pretrained writes skipped on ranks other than 0
-stats = {"trainer_gathered": 0, "gathered": 0, "alone": 0, "skipped": 0}
+stats = {"trainer_gathered": 0, "trainer_dropped": 0, "trainer_full": 0, "trainer_frozen": 0,
+         "gathered": 0, "alone": 0, "skipped": 0}
 _where: dict = {}
 _lone_calls: list = []   # per lone call: the keys it returned as placeholders
 _lone_dirs: list = []    # (directory, keys) where a lone save_pretrained wrote them, checked at exit
@@ -123,72 +152,205 @@ def _acted(what: str) -> None:
                what)
 
 
-# -- HF Trainer (transformers < 5) ------------------------------------------------------
-def _trainer_drops_adapter(trainer) -> bool:
-    """Will this ``save_model`` fall back to ``_save(state_dict={})`` for a peft model?"""
+# -- HF Trainer ---------------------------------------------------------------------------
+def _trainer_engine(trainer):
+    """The ZeRO-3 engine whose peft model ``Trainer.save_model`` is about to save, or None."""
     if not getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        return False
+        return None
     if getattr(getattr(trainer, "accelerator", None), "parallelism_config", None) is not None:
-        return False  # transformers saves through accelerate's N-D parallel branch instead
+        return None  # transformers saves through accelerate's N-D parallel branch instead
     if (getattr(trainer.model, "_tp_size", 0) or 0) > 1:
-        return False
+        return None
     engine = getattr(trainer, "model_wrapped", None)
     partitioned = getattr(engine, "zero_optimization_partition_weights", None)
-    gather_on = getattr(engine, "zero_gather_16bit_weights_on_model_save", None)
-    if partitioned is None or gather_on is None or not partitioned() or gather_on():
-        return False
-    return bool(_where["is_peft_model"](trainer.model))
+    if partitioned is None or getattr(engine, "zero_gather_16bit_weights_on_model_save", None) is None:
+        return None
+    if not partitioned() or not _where["is_peft_model"](trainer.model):
+        return None
+    return engine
 
 
-def _gather_trainable(module, keep: bool) -> dict:
-    """The trainable parameters (full, on CPU) and persistent buffers of ``module``, keyed as in
-    its ``state_dict()``; gathered one module at a time on every rank, kept where ``keep``."""
+def peft_selection(model) -> dict:
+    """What ``PeftModel.save_pretrained`` writes of ``model``'s state dict, for every adapter, as peft
+    itself selects it: ``{state_dict key: tensor}``, found by calling ``get_peft_model_state_dict`` on
+    ``state_dict(keep_vars=True)`` (the parameters themselves; no collective).  The trainable tensors,
+    and the embedding layers where peft saves them too (``save_embedding_layers="auto"``: vocabulary
+    resized since the base checkpoint, or embeddings targeted).  Where peft returns a tensor that is not
+    one of the model's own (a tuner that transforms on save), every trainable tensor and every parameter
+    of the input and output embeddings, a superset."""
+    import warnings
+
+    from peft.utils import save_and_load
+
+    full = model.state_dict(keep_vars=True)
+    keys_of: dict = {}
+    for key, value in full.items():
+        keys_of.setdefault(id(value), []).append(key)
+    chosen: set = set()
+    foreign = False
+    with warnings.catch_warnings():  # peft's notes ("Setting save_embedding_layers...") are said at the save
+        warnings.simplefilter("ignore")
+        for adapter in list(getattr(model, "peft_config", {}) or {"default": None}):
+            returned = save_and_load.get_peft_model_state_dict(model, state_dict=full, adapter_name=adapter)
+            for value in returned.values():
+                if id(value) in keys_of:
+                    chosen.update(keys_of[id(value)])
+                else:
+                    foreign = True
+    if foreign:
+        extra = [p for p in full.values() if getattr(p, "requires_grad", False)]
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            layer = getattr(model, getter, lambda: None)()
+            extra.extend(layer.parameters() if layer is not None else ())
+        for value in extra:
+            chosen.update(keys_of.get(id(value), ()))
+    return {key: full[key] for key in full if key in chosen}
+
+
+def _gather_selected(module, selected: dict, keep: bool) -> dict:
+    """``selected``'s tensors, whole, on CPU, keyed as in ``module.state_dict()``: its parameters gathered
+    one module at a time on every rank (``GatheredParameters(..., modifier_rank=None)``), kept where ``keep``
+    (a parameter shared by two keys stays one tensor, as in a state dict)."""
+    import contextlib
+
     import deepspeed
 
-    out = {}
+    want = {id(t) for t in selected.values()}
+    out, copies = {}, {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
         prefix = prefix + "." if prefix else ""
-        params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p is not None and p.requires_grad]
-        if params:
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-                if keep:
-                    for n, p in params:
-                        out[prefix + n] = p.detach().cpu().clone()
-        if keep:
-            for n, buf in mod.named_buffers(recurse=False):
-                if buf is not None and n not in mod._non_persistent_buffers_set:
-                    out[prefix + n] = buf.detach().cpu().clone()
+        params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p is not None and id(p) in want]
+        buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b is not None and id(b) in want]
+        if not params and not buffers:
+            continue
+        gather = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None) if params
+                  else contextlib.nullcontext())
+        with gather:
+            if keep:
+                for n, t in params + buffers:
+                    if prefix + n in selected:
+                        if id(t) not in copies:
+                            copies[id(t)] = t.detach().cpu().clone()
+                        out[prefix + n] = copies[id(t)]
     return out
+
+
+def _frozen(selected: dict) -> int:
+    """How many of ``selected``'s tensors are parameters that do not train (buffers are not counted)."""
+    import torch
+
+    return sum(isinstance(t, torch.nn.Parameter) and not t.requires_grad for t in set(selected.values()))
+
+
+def _trainer_plan(trainer):
+    """``(case, selected)`` where zeroshim gathers what a Trainer's peft save writes, else None.  Cases:
+    ``"dropped"`` (transformers < 5 without the 16-bit gather: it would write no tensors), ``"full"``
+    (transformers < 5 with it: it would gather the whole model, frozen base included, onto the saving rank),
+    ``"frozen"`` (transformers >= 5: it gathers the trainable tensors only, and peft would write frozen
+    ones too -- resized embeddings -- which it would silently leave out)."""
+    engine = _trainer_engine(trainer)
+    if engine is None:
+        return None
+    selected = peft_selection(trainer.model_wrapped.module)
+    if not selected:
+        return None
+    if _where.get("trainer_kind") == "gathers":
+        if not _frozen(selected):
+            return None  # transformers' own save writes the same tensors (it keeps every persistent buffer)
+        return "frozen", selected
+    return ("full" if engine.zero_gather_16bit_weights_on_model_save() else "dropped"), selected
+
+
+_WHY = {
+    "dropped": "without it Trainer.save_model (transformers < 5, no stage3_gather_16bit_weights_on_model_save) "
+               "writes an adapter file with no tensors",
+    "full": "Trainer.save_model (transformers < 5, stage3_gather_16bit_weights_on_model_save) would gather "
+            "the whole model, frozen base included, into the saving rank's host memory to write the adapter's "
+            "tensors (transformers 5 gathers only the trainable ones, #41416)",
+    "frozen": "Trainer.save_model (transformers >= 5) gathers only the trainable tensors under ZeRO-3, so the "
+              "frozen ones peft saves as well -- the embeddings of a resized vocabulary -- would be left out of "
+              "the adapter file silently",
+}
+
+
+class _Shadow:
+    """For one ``save_model`` call: the engine's ``_zero3_consolidated_16bit_state_dict`` returns the
+    dictionary zeroshim gathered (None on ranks that do not save, as DeepSpeed's), without gathering again;
+    whatever the instance held under that name before (ms-swift sets its own) is put back after."""
+    NAME = "_zero3_consolidated_16bit_state_dict"
+
+    def __init__(self, engine, gathered, keep):
+        self.engine, self.gathered, self.keep = engine, gathered, keep
+
+    def __enter__(self):
+        self.before = self.engine.__dict__.get(self.NAME, _Shadow)
+
+        def consolidated(*args, **kwargs):
+            return self.gathered if self.keep else None
+
+        self.engine.__dict__[self.NAME] = consolidated
+        return self
+
+    def __exit__(self, *exc):
+        if self.before is _Shadow:
+            self.engine.__dict__.pop(self.NAME, None)
+        else:
+            self.engine.__dict__[self.NAME] = self.before
+        return False
 
 
 def _save_model(wrapped, instance, args, kwargs):
     """Wraps ``Trainer.save_model`` (run on every rank)."""
-    gathered = None
+    import contextlib
+
+    gathered, shadow = None, contextlib.nullcontext()
     with guard(NAME):
-        if is_active(NAME) and _trainer_drops_adapter(instance):
-            gathered = _gather_trainable(instance.model_wrapped.module, bool(instance.args.should_save))
+        plan = _trainer_plan(instance) if is_active(NAME) else None
+        if plan is not None:
+            case, selected = plan
+            params = [t for t in selected.values() if hasattr(t, "ds_id")]
+            why = _rendezvous(params)  # every rank must gather the same parameters (peft may ask the Hub)
+            if why is not None:
+                _log.warning("zeroshim[%s]: Trainer.save_model of a peft model under ZeRO-3: the ranks did not "
+                             "select the same tensors to save (%s), so zeroshim leaves this save to "
+                             "transformers (%s).", NAME, why, _WHY[case], scope=_log.EVERY)
+            else:
+                # kept where the dictionary transformers saves would be: where it replaces the {} of the
+                # fallback, on the saving process(es); in place of DeepSpeed's, on global rank 0 (as DeepSpeed's)
+                keep = bool(instance.args.should_save) if case == "dropped" else _global_rank() == 0
+                gathered = _gather_selected(instance.model_wrapped.module, selected, keep)
+                frozen = _frozen(selected)
+                _pending[id(instance)] = (case, gathered, len(selected), frozen)
+                if case != "dropped":
+                    shadow = _Shadow(instance.model_wrapped, gathered, keep)
     if gathered is None:
         return wrapped(*args, **kwargs)
-    _pending[id(instance)] = gathered
     try:
-        return wrapped(*args, **kwargs)
+        with shadow:
+            return wrapped(*args, **kwargs)
     finally:
         _pending.pop(id(instance), None)
 
 
 def _save(wrapped, instance, args, kwargs):
-    """Wraps ``Trainer._save(output_dir=None, state_dict=None)``: the dummy ``{}`` becomes the gathered dict."""
+    """Wraps ``Trainer._save(output_dir=None, state_dict=None)``: saves zeroshim's dictionary."""
     with guard(NAME):
-        gathered = _pending.get(id(instance))
+        pending = _pending.get(id(instance))
         state_dict = args[1] if len(args) > 1 else kwargs.get("state_dict")
-        if gathered and isinstance(state_dict, dict) and not state_dict:
-            if len(args) > 1:
-                args = (args[0], gathered) + tuple(args[2:])
-            else:
-                kwargs = dict(kwargs, state_dict=gathered)
-            stats["trainer_gathered"] += 1
-            _acted(f"Trainer.save_model under ZeRO-3 without stage3_gather_16bit_weights_on_model_save: gathered "
-                   f"the peft model's {len(gathered)} trainable tensors on every rank and saved them")
+        if pending is not None:
+            case, gathered, count, frozen = pending
+            if case == "dropped" and isinstance(state_dict, dict) and not state_dict:
+                if len(args) > 1:
+                    args = (args[0], gathered) + tuple(args[2:])
+                else:
+                    kwargs = dict(kwargs, state_dict=gathered)
+                state_dict = gathered
+            if state_dict is gathered:
+                stats["trainer_gathered"] += 1
+                stats["trainer_" + case] += 1
+                _log.acted(NAME, "Trainer.save_model of a peft model under ZeRO-3: gathered on every rank only "
+                           "the %d tensors peft writes (%d of them frozen) and saved them", "%s", count, frozen,
+                           _WHY[case])
     return wrapped(*args, **kwargs)
 
 
@@ -204,16 +366,18 @@ def patch_trainer(module, patcher: Patcher) -> None:
         gathers = _versions.in_range(_versions.installed("transformers") or "0", ">=5.0")
     else:
         gathers = "exclude_frozen_parameters=True" in source
-    if gathers:  # transformers >= 5.0 (#41416) gathers peft models itself
-        _where["trainer"] = "Trainer.save_model gathers peft models under ZeRO-3 itself"
-        return
-    if source is not None:
-        require("state_dict={}" in source, "Trainer.save_model has no _save(output_dir, state_dict={}) fallback")
+        require("_zero3_consolidated_16bit_state_dict" in source or "get_state_dict(self.deepspeed)" in source,
+                "Trainer.save_model takes no ZeRO-3 consolidated state dict")
+        if not gathers:
+            require("state_dict={}" in source, "Trainer.save_model has no _save(output_dir, state_dict={}) fallback")
     require_params(require_attr(cls, "_save"), "output_dir", "state_dict")
     _where["is_peft_model"] = getattr(module, "_is_peft_model", None) or _is_peft_model
+    # transformers >= 5.0 (#41416) gathers a peft model's trainable tensors itself, < 5 all or nothing
+    _where["trainer_kind"] = "gathers" if gathers else "fallback"
     patcher.wrap(cls, "save_model", _save_model)
     patcher.wrap(cls, "_save", _save)
-    _where["trainer"] = "Trainer.save_model and Trainer._save wrapped"
+    _where["trainer"] = ("Trainer.save_model and Trainer._save wrapped (transformers gathers the trainable "
+                         "tensors itself)" if gathers else "Trainer.save_model and Trainer._save wrapped")
 
 
 def _is_peft_model(model) -> bool:
@@ -481,18 +645,19 @@ def _reset() -> None:
 
 
 PATCH = Patch(
-    changes=('numbers', 'collectives'),
+    changes=('numbers', 'memory', 'collectives'),
     on_disagreement="stop",  # without it the adapter is saved without its weights, silently
     name=NAME,
     summary="peft adapter saved under ZeRO-3 without its weights: HF Trainer (transformers < 5) writes an empty "
-            "adapter_model.safetensors, save_pretrained/get_peft_model_state_dict write [0]-shaped placeholders",
+            "adapter_model.safetensors, (>= 5) leaves out the embeddings of a resized vocabulary, "
+            "save_pretrained/get_peft_model_state_dict write [0]-shaped placeholders",
     signatures=(
         (r"LoRA tensor\(s\) have invalid shape: .*:\(0,\)", r"DeepSpeed ZeRO-3 / FSDP shards\s+were not gathered"),
         (r"stage3_gather_16bit_weights_on_model_save=false\. Saving the full checkpoint instead",
          r"adapter_model\.safetensors|adapter_config\.json|trainable params: "),
     ),
-    versions_note=("with ZeRO-3; HF Trainer: transformers < 5.0.0; custom loops, save_pretrained and "
-                   "get_peft_model_state_dict: every peft, 0.21 only warns"),
+    versions_note=("with ZeRO-3; HF Trainer: transformers < 5.0.0, and >= 5.0.0 with a resized vocabulary; "
+                   "custom loops, save_pretrained and get_peft_model_state_dict: every peft, 0.21 only warns"),
     affects={"peft": "", "deepspeed": ""},
     targets={"peft.utils.save_and_load": patch_save_and_load, "peft.peft_model": patch_peft_model,
              "transformers.trainer": patch_trainer},

@@ -79,8 +79,39 @@ def read_adapter(directory: str) -> dict:
             "sha256": digest.hexdigest(), "values": values}
 
 
-def trainer_save(stage: int, gather: bool) -> dict:
-    """HF Trainer, 3 steps, ``trainer.save_model(dir)`` on every rank (as Trainer users do)."""
+#: what each ``Trainer._save`` of this process received (a spy installed before zeroshim, which wraps it)
+SAVES: list = []
+
+
+def spy_trainer_saves() -> None:
+    """Record how many tensors and elements each ``Trainer._save`` receives: what the saving rank held."""
+    from transformers import Trainer
+
+    original = Trainer._save
+
+    def _save(self, output_dir=None, state_dict=None):
+        tensors = list((state_dict or {}).values())
+        SAVES.append({"tensors": len(tensors), "elements": sum(t.numel() for t in tensors)})
+        return original(self, output_dir, state_dict)
+
+    Trainer._save = _save
+
+
+def by_hand(model, where: str) -> dict:
+    """The reference save in the same run: every rank gathers the whole model by hand, rank 0 passes its
+    state dict to ``save_pretrained`` (peft selects what it writes, embeddings included)."""
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        full = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        model.save_pretrained(where, state_dict=full)
+    dist.barrier()
+    return read_adapter(where)
+
+
+def trainer_save(stage: int, gather: bool, resized: bool = False) -> dict:
+    """HF Trainer, 3 steps, ``trainer.save_model(dir)`` on every rank (as Trainer users do).  ``resized``:
+    the vocabulary resized from 64 to 68 tokens before LoRA (embeddings frozen), and a reference
+    saved by hand after the Trainer's save."""
     from transformers import Trainer, TrainingArguments
 
     zero = {"stage": stage}
@@ -90,29 +121,37 @@ def trainer_save(stage: int, gather: bool) -> dict:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "zero_optimization": zero}
-    model = build_model(config, zero_init=False)
-    # Our own optimizer and scheduler (see trainer_lora.py: with Trainer's defaults, LoRA-only training
-    # under ZeRO-3 fails at the first step on torch 2.13, before anything is saved).
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     with tempfile.TemporaryDirectory() as scratch:
         out = scratch if dist.get_rank() == 0 else None
         shared = [out]
         dist.broadcast_object_list(shared, src=0)
         out = shared[0]
+        base = os.path.join(out, "base")
+        if resized and dist.get_rank() == 0:
+            build_model(config, zero_init=False, resize_to=VOCAB + 4, base_dir=base)  # writes base/config.json
+        dist.barrier()
+        model = build_model(config, zero_init=False, resize_to=VOCAB + 4 if resized else None, base_dir=base)
+        # Our own optimizer and scheduler (see trainer_lora.py: with Trainer's defaults, LoRA-only training
+        # under ZeRO-3 fails at the first step on torch 2.13, before anything is saved).
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         args = TrainingArguments(output_dir=os.path.join(out, "run"), per_device_train_batch_size=4, max_steps=3,
                                  learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
                                  use_cpu=True, seed=0, deepspeed=config, disable_tqdm=True,
                                  dataloader_num_workers=0)
         trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
         trainer.train()
+        before = len(SAVES)
         trainer.save_model(os.path.join(out, "saved"))
+        received = SAVES[before:]
         dist.barrier()
         saved = read_adapter(os.path.join(out, "saved"))
         files = sorted(os.listdir(os.path.join(out, "saved")))
+        if resized and stage == 3:
+            saved["by_hand"] = by_hand(trainer.model_wrapped.module, os.path.join(out, "hand"))
         dist.barrier()  # rank 0's directory goes when it leaves the block
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses, "files": files, **saved}
+    return {"losses": losses, "files": files, "received": received, **saved}
 
 
 def custom_engine(threshold_zero: bool = True):
@@ -243,14 +282,20 @@ def custom_save(mode: str) -> dict:
 
 
 def run(mode: str) -> dict:
-    trainer = attempt(trainer_save, 3, mode == "reference")
-    custom = attempt(custom_save, mode)
-    return {"trainer": trainer, "custom": custom}
+    out = {"trainer": attempt(trainer_save, 3, mode == "reference"), "custom": attempt(custom_save, mode)}
+    if mode != "reference":  # the vocabulary resized: peft saves the (frozen) embeddings too
+        out["resized_off"] = attempt(trainer_save, 3, False, True)
+        out["resized_on"] = attempt(trainer_save, 3, True, True)
+    if mode == "with":  # the 16-bit gather on, nothing resized: "reference" with zeroshim
+        out["gather_on"] = attempt(trainer_save, 3, True)
+    return out
 
 
 def main():
     out, results = begin()
+    spy_trainer_saves()
     results["zero2"] = attempt(trainer_save, 2, False)
+    results["zero2_resized"] = attempt(trainer_save, 2, False, True)
     results["reference"] = attempt(run, "reference")
     results["without"] = attempt(run, "without")
     zeroshim = enable_zeroshim()

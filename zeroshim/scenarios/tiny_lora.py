@@ -4,6 +4,7 @@
 transformers/peft/DeepSpeed version starts from the same model), peft LoRA on
 q_proj/v_proj, and its batches."""
 
+import os
 import zlib
 
 import torch
@@ -41,8 +42,11 @@ def fill_shards(model, scale: float = 0.05) -> None:
 
 
 def build_model(config: dict, layers: int = 2, hidden: int = 32, zero_init: bool = True,
-                targets=("q_proj", "v_proj")):
-    """The LoRA model (peft), every parameter set from :func:`_values`."""
+                targets=("q_proj", "v_proj"), resize_to: "int | None" = None, base_dir: "str | None" = None):
+    """The LoRA model (peft), every parameter set from :func:`_values`.  ``resize_to``: the vocabulary is
+    resized to that many tokens before LoRA (the new rows seeded alike on every rank), and the model
+    names ``base_dir`` (where its base config.json, with :data:`VOCAB` tokens, is written) as its base
+    checkpoint, so that peft sees the vocabulary resized since the base and saves the embeddings too."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,6 +65,13 @@ def build_model(config: dict, layers: int = 2, hidden: int = 32, zero_init: bool
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(_values(name, p.shape))
+    if resize_to is not None:
+        assert not zero_init and base_dir is not None
+        if not os.path.exists(os.path.join(base_dir, "config.json")):
+            cfg.save_pretrained(base_dir)
+        model.config._name_or_path = model.name_or_path = base_dir
+        torch.manual_seed(0)
+        model.resize_token_embeddings(resize_to)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
                                              lora_dropout=0.0))
     with torch.no_grad():
