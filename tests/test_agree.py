@@ -349,6 +349,33 @@ def test_every_stop_rule_patch_split_stops_every_rank_naming_each_one(tmp_path, 
 
 
 @pytest.mark.deepspeed
+def test_a_rank_with_a_pre_engine_patch_off_that_runs_a_collective_first_stops_within_seconds(tmp_path):
+    """zero3_from_config_init off on rank 1 only, and every rank runs a collective right after from_config (as a
+    load or an embedding resize would).  Rank 0 checks at the end of its build; rank 1 is already in the
+    collective, waiting for rank 0.  Rank 1 posted its decisions when it entered zero.Init, so rank 0 stops within
+    seconds naming the patch (before, it waited for rank 1's report until ZEROSHIM_AGREE_TIMEOUT, 1,800 s by
+    default: here 90 s, which the test would see)."""
+    _acts_here("zero3_from_config_init")
+    from harness import clean_env, torchrun
+
+    env = clean_env()
+    env["ZSAGREE_RANK1"] = json.dumps({"ZEROSHIM_ZERO3_FROM_CONFIG_INIT": "off"})
+    env["ZEROSHIM_AGREE_TIMEOUT"] = "90"
+    result = torchrun(SCENARIO, 2, tmp_path, "--timeout", "150", "--peft", "--collective-first", env=env,
+                      check=False)
+    first = result["ranks"][0]
+    assert first is not None and "hang" not in first, result["log"][-3000:]
+    assert first["stage"] == "init" and first["stopped"]["type"] == "RanksDisagree", first
+    assert "zero3_from_config_init acts on rank 0 but not on rank 1" in first["stopped"]["message"]
+    assert "at from_config (zero3_from_config_init)" in first["stopped"]["message"]
+    assert first["seconds"] < 45, first["seconds"]
+    assert first["agree"]["early_posts"] == 1
+    second = result["ranks"][1]  # stopped by its collective's failure, or by the launcher (no results then)
+    assert second is None or ("hang" not in second and second["stage"] != "done"), second
+    assert result["returncode"] != 0
+
+
+@pytest.mark.deepspeed
 def test_every_off_rule_patch_split_is_turned_off_on_every_rank_and_the_run_trains(tmp_path):
     """Every patch that changes collectives and whose unpatched failure is loud, off on rank 1 only: the ranks
     turn each of them off, say so on every rank, and train (generate and a step)."""

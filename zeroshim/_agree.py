@@ -19,7 +19,11 @@ decision from the same reports, and says on every rank which patch, which ranks 
 
 When: before a DeepSpeed engine is built (every rank reaches ``DeepSpeedEngine.__init__`` together, and some
 patches act inside it), and, for the patches that can act before any engine exists, right before they first
-act (:func:`before_acting`), where every rank whose flags allow it reaches the same point.  A rank that has not
+act (:func:`before_acting`), where every rank whose flags allow it reaches the same point.  Every rank also
+posts its report, without waiting, when it enters its first ``deepspeed.zero.Init`` (:func:`post_early`): the
+patches that act before an engine all act inside or after one, so a rank where such a patch is off has said so
+before it can run a collective of the build (a load, an embedding resize) that would leave the acting ranks
+waiting for its report while it waits for them.  A rank that has not
 posted is waited for -- a WARNING every 30 s names the missing ranks on every rank that waits -- until
 ``ZEROSHIM_AGREE_TIMEOUT`` seconds (default 1800, torch's own default for a collective; 0 turns the check off),
 and then every rank where such a patch acts stops, naming them (zeroshim not imported there,
@@ -32,7 +36,9 @@ same patches, which is all that agreement needs.  Only then does a rank read eve
 and why), and only a rank that waits past a WARNING's interval probes which ranks are missing.
 
 Decisions are compared as they were at this rank's first post (flags and gates are read at import;
-``zeroshim.configure()`` on some ranks only after that is not seen).  A patch that changes collectives and fails
+``zeroshim.configure()`` on some ranks only after that is not seen; a patch whose target module is imported
+after that post is reported as acting, so a source fingerprint that turns it off later on some nodes only -- another
+install there -- is not seen).  A patch that changes collectives and fails
 inside its wrapper (``guard``) after the ranks agreed cannot fall back on one rank alone: ``guard`` re-raises.  One
 that changes numbers only still falls back on its rank (logged there): a bug in zeroshim fails alike on every rank
 as a rule, and stopping would end runs that train.
@@ -65,7 +71,7 @@ _posted: dict = {}      # store identity -> this rank's report (posted once per 
 _posting: dict = {}     # store identity -> (the report being posted, the steps of post() done)
 _settled: dict = {}     # store identity -> the resolution every rank took
 #: introspection and tests
-stats = {"checks": 0, "disagreements": 0, "waited_s": 0.0}
+stats = {"checks": 0, "disagreements": 0, "waited_s": 0.0, "early_posts": 0}
 
 
 class RanksDisagree(RuntimeError):
@@ -176,8 +182,8 @@ def settled() -> bool:
 def before_acting(name: str, where: str) -> bool:
     """For a patch that changes collectives (or numbers) and can act before any engine is built: check that the
     ranks agree (once per job), right before it first acts; whether it may act (False where the ranks turned it off).  A
-    rank where the patch is off never gets here: it reports at its next check (its engine), which this rank
-    waits for.  May raise :class:`RanksDisagree`."""
+    rank where the patch is off never gets here: it posted when it entered ``zero.Init`` (:func:`post_early`), or
+    reports at its next check (its engine), which this rank waits for.  May raise :class:`RanksDisagree`."""
     from . import _core
 
     if not _settled:
@@ -220,6 +226,38 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
         stats["disagreements"] += len(splits)
         _act_on(splits, where)
     return splits
+
+
+def post_early() -> bool:
+    """Post this rank's report now, without waiting for the others (once per job; nothing where the check is
+    off or there is nothing to agree with); whether it was posted here.  Called where every rank enters its first
+    ``deepspeed.zero.Init``: a rank whose pre-engine patch is off is then known to the acting ranks before it runs
+    a collective of the build they are in."""
+    if timeout_s() == 0:
+        return False
+    found = _store_and_world()
+    if found is None:
+        return False
+    store, world, rank = found
+    ident = id(store)
+    with _lock:
+        if ident in _posted or ident in _settled:
+            return False
+        mine = _posting.setdefault(ident, (decisions(), set()))[0]
+        post(store, world, rank, mine, _posting[ident][1])
+        _posted[ident] = mine
+        stats["early_posts"] += 1
+    return True
+
+
+def _zero_init(wrapped, instance, args, kwargs):
+    """Wraps ``deepspeed.zero.Init.__init__``: after it (the process group exists then), :func:`post_early`."""
+    result = wrapped(*args, **kwargs)
+    try:
+        post_early()
+    except Exception as exc:  # the store failed: the check before acting or before the engine posts again
+        _log.emit(logging.DEBUG, _log.EVERY, "zeroshim: could not post this rank's decisions at zero.Init: %r", exc)
+    return result
 
 
 def digest(report: dict) -> str:
@@ -348,6 +386,18 @@ def install() -> None:
             return
         _installed.append(True)
     _hooks.register("deepspeed.runtime.engine", _on_engine_module)
+    _hooks.register("deepspeed.runtime.zero.partition_parameters", _on_zero_init_module)
+
+
+def _on_zero_init_module(module) -> None:
+    with _lock:
+        if not _installed:
+            return
+    try:
+        _patcher.wrap(module.Init, "__init__", _zero_init)
+    except Exception as exc:  # another DeepSpeed: the checks before acting and before engines still run
+        _log.info("zeroshim: ranks post their decisions at their first check only (zero.Init: %s)", exc,
+                  scope=_log.RANK0)
 
 
 def _on_engine_module(module) -> None:

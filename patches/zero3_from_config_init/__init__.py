@@ -84,11 +84,10 @@ Fix
     loads.  Not covered: an ``_init_weights`` that sets parameters below a
     module's direct children (some detection models: OmDet-Turbo, D-FINE,
     DAB-DETR, Grounding DINO, ESMFold) leaves those as upstream does.  A rank
-    with the patch off that runs a collective before its next ranks-agree
-    check (4.57: the load after a checkpoint that lacks weights; a script
-    that resizes embeddings before its engine) leaves the acting rank waiting
-    for it, with a WARNING every 30 s, until ``ZEROSHIM_AGREE_TIMEOUT``, which
-    then stops the run naming that rank.  One WARNING per job.
+    with the patch off has posted its decisions when it entered ``zero.Init``,
+    so the acting ranks stop within seconds even where it went on into a
+    collective (4.57: the load after a checkpoint that lacks weights; a script
+    that resizes embeddings before its engine; tested).  One WARNING per job.
 
 Undo
     ``zeroshim.unpatch("zero3_from_config_init")`` restores ``_initialize_weights``, ``_from_config`` and

@@ -64,7 +64,7 @@ def watch_guards(fail: "str | None") -> dict:
     return seen
 
 
-def peft_model(ds_config: dict):
+def peft_model(ds_config: dict, collective_first: bool = False):
     """The ``--peft`` model: a ZeRO-3 HfDeepSpeedConfig dropped by the helper that built it, ``from_config``, LoRA."""
     import dataclasses
 
@@ -83,6 +83,8 @@ def peft_model(ds_config: dict):
     # ranks-agree check must catch
     config.pad_token_id = None
     model = AutoModelForCausalLM.from_config(config)
+    if collective_first:  # a collective of the build before any engine (an embedding resize, a load), every rank
+        torch.distributed.all_reduce(torch.ones(1))
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     if "target_parameters" in {f.name for f in dataclasses.fields(LoraConfig)}:  # peft >= 0.17
         lora["target_parameters"] = ["mlp.down_proj.weight"]
@@ -95,6 +97,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--fail-guard", metavar="PATCH", help="fail inside PATCH's guard on rank 1")
     parser.add_argument("--peft", action="store_true", help="the HF loading path with a LoRA adapter (see above)")
+    parser.add_argument("--collective-first", action="store_true",
+                        help="--peft: every rank runs a collective after from_config, before anything else")
     args = parser.parse_args()
     rank, _ = init_distributed()
     results = {"versions": versions(), "stage": "init"}
@@ -107,7 +111,7 @@ def main():
     try:
         if args.peft:
             del config["zero_optimization"]["stage3_param_persistence_threshold"]  # DeepSpeed's default
-            model = peft_model(config)
+            model = peft_model(config, args.collective_first)
         else:
             model = tiny_llama()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # their patches
