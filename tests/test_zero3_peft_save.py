@@ -71,6 +71,50 @@ def test_trainer_saves_the_embeddings_peft_selects(ranks):
                 assert out["sha256"] == out["by_hand"]["sha256"]
 
 
+def test_ms_swift_exclude_frozen_attribute_coexists(ranks):
+    """ms-swift sets its own ``_zero3_consolidated_16bit_state_dict`` on the engine (exclude_frozen_parameters for
+    peft models): without zeroshim that drops the resized embeddings too; with zeroshim the file is the by-hand
+    gather's, and ms-swift's attribute is on the engine again after the save."""
+    for rank in ranks:
+        out, fix = rank["without"]["swift"], rank["with"]["swift"]
+        assert out["ok"] and fix["ok"], (out.get("error"), fix.get("error"))
+        assert proof.lost_embeddings(out, fix), sorted(out["shapes"])
+        assert proof.whole(fix) and fix["sha256"] == fix["by_hand"]["sha256"]
+        assert fix["swift_kept"] and out["swift_kept"]
+
+
+def test_selection_where_peft_computes_on_what_it_saves():
+    """AdaLoRA with a rank pattern indexes the tensors it saves: on ZeRO-3 placeholders (shape [0]) that raises, so
+    the selection is not certain and takes every trainable tensor and both embeddings (never fails the save);
+    plain LoRA is selected exactly (its LoRA tensors only)."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zeroshim.patches import zero3_peft_save as patch
+
+    def tiny():
+        config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+        return LlamaForCausalLM(config)
+
+    lora = peft.get_peft_model(tiny(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    selected, certain = patch.peft_selection(lora)
+    assert certain and sorted(selected) == sorted(n for n, p in lora.named_parameters() if p.requires_grad)
+    ada = peft.get_peft_model(tiny(), peft.AdaLoraConfig(init_r=4, target_r=2, total_step=10,
+                                                         target_modules=["q_proj"]))
+    ada.peft_config["default"].rank_pattern = {  # as AdaLoRA's allocator writes it: 2 of 4 ranks kept
+        name.removeprefix("base_model.model."): [True, False, True, False]
+        for name, _ in ada.named_parameters() if "lora_E" in name}
+    for param in ada.parameters():
+        if param.requires_grad:
+            param.data = torch.empty(0)  # what ZeRO-3 leaves outside a gather
+    selected, certain = patch.peft_selection(ada)
+    embeddings = {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"}
+    assert not certain and embeddings <= set(selected)
+    assert {n for n, p in ada.named_parameters() if p.requires_grad} <= set(selected)
+
+
 def test_trainer_gathers_only_what_peft_writes(ranks):
     """What the saving rank's ``Trainer._save`` receives: with zeroshim only the tensors peft writes (the LoRA
     tensors; with the vocabulary resized, the embeddings too), in every case; without it, on transformers < 5
@@ -124,10 +168,11 @@ def test_status_and_action(ranks):
         # two gathered saves on every rank; two lone saves on rank 0 (peft's file) and two on rank 1 (skipped:
         # rank 1 alone, and the all-"main" save); the Trainer saves zeroshim gathered, counted where they are
         # written (rank 0): transformers < 5 without the 16-bit gather ("dropped": plain and resized) and with it
-        # ("full": resized and plain); transformers >= 5 only the resized ones ("frozen", both settings)
+        # ("full": resized, resized with ms-swift's attribute, and plain); transformers >= 5 only the resized ones
+        # ("frozen": both settings, and ms-swift's)
         saving = index == 0
-        trainer = ({"trainer_dropped": 2, "trainer_full": 2, "trainer_frozen": 0} if TRAINER_AFFECTED
-                   else {"trainer_dropped": 0, "trainer_full": 0, "trainer_frozen": 2})
+        trainer = ({"trainer_dropped": 2, "trainer_full": 3, "trainer_frozen": 0} if TRAINER_AFFECTED
+                   else {"trainer_dropped": 0, "trainer_full": 0, "trainer_frozen": 3})
         trainer = {k: v if saving else 0 for k, v in trainer.items()}
         assert rank["stats"] == {"gathered": 2, "alone": 2, "skipped": 0 if index == 0 else 2,
                                  "trainer_gathered": sum(trainer.values()), **trainer}

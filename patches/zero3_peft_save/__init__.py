@@ -10,7 +10,8 @@ Symptom
       with no tensors at all; the same run under ZeRO-2 saves every tensor.
       Reports: trl #4416, peft #2892, DeepSpeed #7900.
     * HF Trainer (transformers >= 5.0, either gather setting), the vocabulary
-      resized before LoRA (new special tokens) with the embeddings frozen:
+      resized before LoRA (new special tokens) with the embeddings frozen
+      (likewise embeddings targeted by LoRA, and a second, inactive adapter):
       peft says "Setting `save_embedding_layers` to `True` as the embedding
       layer has been resized during finetuning" and writes the LoRA tensors
       only; the embeddings it means to save are left out of the file (ZeRO-2
@@ -65,26 +66,33 @@ Flag
 
 Fix
     * ``Trainer.save_model``, where DeepSpeed runs ZeRO-3 and the model is a
-      peft model: every rank asks peft what ``save_pretrained`` will write
+      peft model (not with AutoTP or AutoEP, where DeepSpeed's own gather
+      does more): every rank asks peft what ``save_pretrained`` will write
       (``get_peft_model_state_dict`` on ``state_dict(keep_vars=True)``, for
-      every adapter: the trainable tensors, and the embeddings where peft
-      saves them), the ranks check in the process group's key-value store
-      that they chose the same tensors (no collective; where they did not
-      within ``RENDEZVOUS_TIMEOUT_S``, a WARNING on every rank and the save is
-      left to transformers), then every rank gathers exactly those (one module
-      at a time, ``GatheredParameters(..., modifier_rank=None)``), kept on
-      the saving process(es).  That dictionary is what transformers saves:
-      it replaces the ``{}`` of transformers < 5 without the 16-bit gather,
-      and otherwise the engine's ``_zero3_consolidated_16bit_state_dict``
-      returns it for the length of the call (instead of gathering the whole
-      model, < 5 with the 16-bit gather, or the trainable tensors only,
-      >= 5; an instance attribute set there before, as ms-swift does, is put
-      back after).  On transformers >= 5 it acts only where peft writes a
-      frozen parameter; otherwise transformers' own save writes the same
+      every adapter: the trainable tensors, the embeddings where peft saves
+      them -- vocabulary resized, or embeddings targeted -- and an inactive
+      adapter's; where peft computes on what it saves -- prompt learning,
+      AdaLoRA's rank pattern, VB-LoRA's top-k -- every trainable tensor and
+      both embeddings instead).  The ranks check in the process group's
+      key-value store that they chose the same tensors (no collective; a
+      rank that waited ``RENDEZVOUS_TIMEOUT_S`` for the others logs a WARNING
+      and every rank leaves the save to transformers), then every rank
+      gathers exactly those (one module at a time,
+      ``GatheredParameters(..., modifier_rank=None)``, between the
+      optimizer's checkpoint prologue and epilogue, as DeepSpeed's own gather
+      runs), kept where transformers writes the files (``should_save``).
+      That dictionary is what transformers saves: it replaces the ``{}`` of
+      transformers < 5 without the 16-bit gather, and otherwise the engine's
+      ``_zero3_consolidated_16bit_state_dict`` returns it for the length of
+      the call (instead of gathering the whole model, < 5 with the 16-bit
+      gather, or the trainable tensors only, >= 5; an instance attribute
+      set there before, as ms-swift sets its own, is put back after).  On
+      transformers >= 5 it acts only where peft writes a frozen parameter
+      and said so itself; otherwise transformers' own save writes the same
       file.  Everything else transformers does (its warning, the DeepSpeed
       checkpoint it also writes) is unchanged.  Trainer calls ``save_model``
-      on every rank, so the gather is safe there.  The files are those of a
-      whole-model gather, bit for bit (tested).
+      on every rank, so the gather is safe there.  Tested: fp32 LoRA on
+      q/v, its files equal a whole-model gather's, bit for bit.
     * ``get_peft_model_state_dict`` (which ``PeftModel.save_pretrained`` calls
       on every rank it runs on): when it would return ZeRO-3 placeholders (it
       is probed with ``state_dict(keep_vars=True)``, no collective), the ranks
@@ -144,7 +152,7 @@ _where: dict = {}
 _lone_calls: list = []   # per lone call: the keys it returned as placeholders
 _lone_dirs: list = []    # (directory, keys) where a lone save_pretrained wrote them, checked at exit
 _saving: list = []       # non-empty while PeftModel.save_pretrained runs (zeroshim's wrapper)
-_pending: dict = {}   # id(trainer) -> the gathered state dict, while its save_model runs
+_pending: dict = {}   # id(trainer) -> (case, the gathered state dict, tensors, frozen), while its save_model runs
 
 
 def _acted(what: str) -> None:
@@ -167,17 +175,25 @@ def _trainer_engine(trainer):
         return None
     if not partitioned() or not _where["is_peft_model"](trainer.model):
         return None
+    if (getattr(engine, "autotp_size", lambda: 1)() or 1) > 1:
+        return None  # DeepSpeed gathers tensor-parallel shards too: its own gather
+    try:
+        getattr(engine, "_raise_if_autoep_zero3_consolidated_export", lambda op: None)("save_model")
+    except Exception:  # AutoEP: DeepSpeed refuses to consolidate, and says why
+        return None
     return engine
 
 
-def peft_selection(model) -> dict:
+def peft_selection(model) -> "tuple[dict, bool]":
     """What ``PeftModel.save_pretrained`` writes of ``model``'s state dict, for every adapter, as peft
-    itself selects it: ``{state_dict key: tensor}``, found by calling ``get_peft_model_state_dict`` on
-    ``state_dict(keep_vars=True)`` (the parameters themselves; no collective).  The trainable tensors,
+    itself selects it: ``({state_dict key: tensor}, certain)``, found by calling ``get_peft_model_state_dict``
+    on ``state_dict(keep_vars=True)`` (the parameters themselves; no collective).  The trainable tensors,
     and the embedding layers where peft saves them too (``save_embedding_layers="auto"``: vocabulary
-    resized since the base checkpoint, or embeddings targeted).  Where peft returns a tensor that is not
-    one of the model's own (a tuner that transforms on save), every trainable tensor and every parameter
-    of the input and output embeddings, a superset."""
+    resized since the base checkpoint, or embeddings targeted), and an inactive adapter's.  Not certain
+    (``certain`` False) where peft computes on the tensors it saves: a prompt-learning adapter (its
+    embedding is computed by a forward), a tuner that returns tensors that are not the model's own
+    (AdaLoRA's rank pattern, VB-LoRA's top-k) or fails on the ZeRO-3 placeholders; then every trainable
+    tensor and every parameter of the input and output embeddings, a superset."""
     import warnings
 
     from peft.utils import save_and_load
@@ -187,37 +203,75 @@ def peft_selection(model) -> dict:
     for key, value in full.items():
         keys_of.setdefault(id(value), []).append(key)
     chosen: set = set()
-    foreign = False
-    with warnings.catch_warnings():  # peft's notes ("Setting save_embedding_layers...") are said at the save
-        warnings.simplefilter("ignore")
-        for adapter in list(getattr(model, "peft_config", {}) or {"default": None}):
-            returned = save_and_load.get_peft_model_state_dict(model, state_dict=full, adapter_name=adapter)
-            for value in returned.values():
-                if id(value) in keys_of:
-                    chosen.update(keys_of[id(value)])
-                else:
-                    foreign = True
-    if foreign:
+    configs = getattr(model, "peft_config", None) or {}
+    certain = bool(configs) and not any(getattr(c, "is_prompt_learning", False) for c in configs.values())
+    if certain:
+        with warnings.catch_warnings():  # peft's notes ("Setting save_embedding_layers...") are said at the save
+            warnings.simplefilter("ignore")
+            for adapter in list(configs):
+                try:
+                    returned = save_and_load.get_peft_model_state_dict(model, state_dict=full, adapter_name=adapter)
+                except Exception:  # a tuner that computes on what it saves, here on placeholders of shape [0]
+                    certain = False
+                    break
+                for value in returned.values():
+                    if id(value) in keys_of:
+                        chosen.update(keys_of[id(value)])
+                    else:
+                        certain = False
+    if not certain:
         extra = [p for p in full.values() if getattr(p, "requires_grad", False)]
         for getter in ("get_input_embeddings", "get_output_embeddings"):
-            layer = getattr(model, getter, lambda: None)()
+            try:
+                layer = getattr(model, getter)()
+            except Exception:  # not a transformers model, or no such layer
+                layer = None
             extra.extend(layer.parameters() if layer is not None else ())
         for value in extra:
             chosen.update(keys_of.get(id(value), ()))
-    return {key: full[key] for key in full if key in chosen}
+    return {key: full[key] for key in full if key in chosen}, certain
 
 
-def _gather_selected(module, selected: dict, keep: bool) -> dict:
+def _modules(module):
+    return module.named_modules(remove_duplicate=False)
+
+
+def _gather_selected(engine, selected: dict, keep: bool) -> dict:
     """``selected``'s tensors, whole, on CPU, keyed as in ``module.state_dict()``: its parameters gathered
     one module at a time on every rank (``GatheredParameters(..., modifier_rank=None)``), kept where ``keep``
-    (a parameter shared by two keys stays one tensor, as in a state dict)."""
+    (a parameter shared by two keys stays one tensor, as in a state dict).  Around it, what DeepSpeed's own
+    ``_zero3_consolidated_16bit_state_dict`` runs around its gather: the optimizer's checkpoint prologue (every
+    parameter partitioned) and epilogue (the persistent ones gathered again)."""
+    import contextlib
+
+    import deepspeed
+
+    module = engine.module
+    optimizer = getattr(engine, "optimizer", None)
+    has = getattr(engine, "_optimizer_has_ckpt_event_prologue", None)
+    if has is not None and has():
+        optimizer.checkpoint_event_prologue()
+    try:
+        out = _gather_each(module, selected, keep)
+    finally:
+        has = getattr(engine, "_optimizer_has_ckpt_event_epilogue", None)
+        if has is not None and has():
+            optimizer.checkpoint_event_epilogue()
+    missing = sorted(set(selected) - set(out)) if keep else []
+    if missing:  # a key that is no module path + parameter name (a state-dict hook): never save without it
+        raise RuntimeError(f"zeroshim[{NAME}]: could not gather {len(missing)} of the tensors peft saves "
+                           f"({', '.join(missing[:5])}); set ZEROSHIM_ZERO3_PEFT_SAVE=off")
+    return out
+
+
+def _gather_each(module, selected: dict, keep: bool) -> dict:
     import contextlib
 
     import deepspeed
 
     want = {id(t) for t in selected.values()}
     out, copies = {}, {}
-    for prefix, mod in module.named_modules(remove_duplicate=False):
+    for prefix, mod in _modules(module):
         prefix = prefix + "." if prefix else ""
         params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p is not None and id(p) in want]
         buffers = [(n, b) for n, b in mod.named_buffers(recurse=False) if b is not None and id(b) in want]
@@ -251,11 +305,11 @@ def _trainer_plan(trainer):
     engine = _trainer_engine(trainer)
     if engine is None:
         return None
-    selected = peft_selection(trainer.model_wrapped.module)
+    selected, certain = peft_selection(engine.module)
     if not selected:
         return None
     if _where.get("trainer_kind") == "gathers":
-        if not _frozen(selected):
+        if not certain or not _frozen(selected):
             return None  # transformers' own save writes the same tensors (it keeps every persistent buffer)
         return "frozen", selected
     return ("full" if engine.zero_gather_16bit_weights_on_model_save() else "dropped"), selected
@@ -275,27 +329,28 @@ _WHY = {
 
 class _Shadow:
     """For one ``save_model`` call: the engine's ``_zero3_consolidated_16bit_state_dict`` returns the
-    dictionary zeroshim gathered (None on ranks that do not save, as DeepSpeed's), without gathering again;
-    whatever the instance held under that name before (ms-swift sets its own) is put back after."""
+    dictionary zeroshim gathered (None on ranks that do not save), without gathering again; whatever the
+    instance held under that name before (ms-swift sets its own) is put back after."""
     NAME = "_zero3_consolidated_16bit_state_dict"
 
-    def __init__(self, engine, gathered, keep):
-        self.engine, self.gathered, self.keep = engine, gathered, keep
+    def __init__(self, engines, result):
+        self.engines, self.result, self.before = engines, result, []
 
     def __enter__(self):
-        self.before = self.engine.__dict__.get(self.NAME, _Shadow)
-
         def consolidated(*args, **kwargs):
-            return self.gathered if self.keep else None
+            return self.result
 
-        self.engine.__dict__[self.NAME] = consolidated
+        for engine in self.engines:
+            self.before.append(engine.__dict__.get(self.NAME, _Shadow))
+            engine.__dict__[self.NAME] = consolidated
         return self
 
     def __exit__(self, *exc):
-        if self.before is _Shadow:
-            self.engine.__dict__.pop(self.NAME, None)
-        else:
-            self.engine.__dict__[self.NAME] = self.before
+        for engine, before in zip(self.engines, self.before):
+            if before is _Shadow:
+                engine.__dict__.pop(self.NAME, None)
+            else:
+                engine.__dict__[self.NAME] = before
         return False
 
 
@@ -309,20 +364,21 @@ def _save_model(wrapped, instance, args, kwargs):
         if plan is not None:
             case, selected = plan
             params = [t for t in selected.values() if hasattr(t, "ds_id")]
-            why = _rendezvous(params)  # every rank must gather the same parameters (peft may ask the Hub)
+            # every rank must gather the same parameters (peft may ask the Hub for the base config)
+            why = _rendezvous(params, "trainer")
             if why is not None:
                 _log.warning("zeroshim[%s]: Trainer.save_model of a peft model under ZeRO-3: the ranks did not "
                              "select the same tensors to save (%s), so zeroshim leaves this save to "
                              "transformers (%s).", NAME, why, _WHY[case], scope=_log.EVERY)
             else:
-                # kept where the dictionary transformers saves would be: where it replaces the {} of the
-                # fallback, on the saving process(es); in place of DeepSpeed's, on global rank 0 (as DeepSpeed's)
-                keep = bool(instance.args.should_save) if case == "dropped" else _global_rank() == 0
-                gathered = _gather_selected(instance.model_wrapped.module, selected, keep)
-                frozen = _frozen(selected)
-                _pending[id(instance)] = (case, gathered, len(selected), frozen)
+                keep = bool(instance.args.should_save)  # where transformers writes the files
+                engine = instance.model_wrapped
+                gathered = _gather_selected(engine, selected, keep)
+                _pending[id(instance)] = (case, gathered, len(selected), _frozen(selected))
                 if case != "dropped":
-                    shadow = _Shadow(instance.model_wrapped, gathered, keep)
+                    engines = [engine] + [e for e in (getattr(instance, "deepspeed", None),)
+                                          if e is not None and e is not engine]
+                    shadow = _Shadow(engines, gathered if keep else None)
     if gathered is None:
         return wrapped(*args, **kwargs)
     try:
@@ -411,8 +467,10 @@ def _placeholders(wrapped, args, kwargs):
     return plan
 
 
-def _rendezvous(plan) -> "str | None":
-    """Meet the other ranks in the default store; None when all arrived, else why not."""
+def _rendezvous(plan, kind: str = "peft") -> "str | None":
+    """Meet the other ranks in the default store; None when all arrived with the same ``plan``, else why not.
+    ``kind`` keeps the Trainer's meetings and peft's apart (their own sequence numbers and keys: a Trainer save
+    and a lone ``save_pretrained`` may carry the same parameters)."""
     import datetime
     import zlib
 
@@ -428,17 +486,20 @@ def _rendezvous(plan) -> "str | None":
     except Exception as exc:  # no store to meet in (e.g. an MPI process group)
         return f"no key-value store to meet the other ranks in ({exc})"
     signature = zlib.crc32(repr([(p.ds_id, tuple(p.ds_shape)) for p in plan]).encode())
-    key = f"zeroshim/{NAME}/{_where.setdefault('seq', 0)}/{signature:08x}"
+    seq = _where.setdefault("seq/" + kind, 0)
+    key = f"zeroshim/{NAME}/{kind}/{seq}/{signature:08x}"
     if store.add(key, 1) >= world:
         store.set(key + "/all", "1")
     else:
         try:
             store.wait([key + "/all"], datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
         except Exception:  # DistStoreError: timed out
-            store.add(key, -1)  # withdraw, so that a later save on every rank still meets
-            return (f"rank {dist.get_rank()} waited {RENDEZVOUS_TIMEOUT_S:g} s, and not every one of the {world} "
-                    "ranks called it with the same parameters")
-    _where["seq"] += 1
+            # withdraw, so that a later save on every rank still meets; where the count was full when this
+            # rank withdrew, the last rank arrived as it timed out, and the others go ahead: so does this one
+            if store.add(key, -1) < world - 1:
+                return (f"rank {dist.get_rank()} waited {RENDEZVOUS_TIMEOUT_S:g} s, and not every one of the "
+                        f"{world} ranks called it with the same parameters")
+    _where["seq/" + kind] += 1
     return None
 
 

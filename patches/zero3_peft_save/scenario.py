@@ -14,6 +14,10 @@
   (LoRA tensors that small are not partitioned: saved whole, the not-affected case);
 * ``with``: the same with zeroshim (the rendezvous timeout is shortened to 5 s).
 
+The Trainer runs are repeated with the vocabulary resized before LoRA (64 -> 68 tokens: peft saves the
+frozen embeddings too), with each 16-bit gather setting, and once with ms-swift's exclude-frozen attribute on
+the engine; each is compared with a by-hand gather of the whole model saved by ``save_pretrained``.
+
 Both custom loops also save on rank 1 alone, and as HF Trainer does where every rank
 believes it is the main process (rank 0 with the gathered dictionary, the others with
 ``state_dict=None``: axolotl on a CPU); and OpenRLHF's way (0.11.2 ``DeepspeedStrategy.save_model``, in
@@ -108,7 +112,19 @@ def by_hand(model, where: str) -> dict:
     return read_adapter(where)
 
 
-def trainer_save(stage: int, gather: bool, resized: bool = False) -> dict:
+def swift_style(engine):
+    """ms-swift's ``_fix_zero3_gather_all_parameters``, in shape: an instance attribute on the engine that forces
+    ``exclude_frozen_parameters=True`` for peft models; returns it."""
+    origin = engine._zero3_consolidated_16bit_state_dict
+
+    def _zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=False):
+        return origin(True)
+
+    engine._zero3_consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+    return _zero3_consolidated_16bit_state_dict
+
+
+def trainer_save(stage: int, gather: bool, resized: bool = False, swift: bool = False) -> dict:
     """HF Trainer, 3 steps, ``trainer.save_model(dir)`` on every rank (as Trainer users do).  ``resized``:
     the vocabulary resized from 64 to 68 tokens before LoRA (embeddings frozen), and a reference
     saved by hand after the Trainer's save."""
@@ -142,8 +158,11 @@ def trainer_save(stage: int, gather: bool, resized: bool = False) -> dict:
         trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, sched))
         trainer.train()
         before = len(SAVES)
+        forced = swift_style(trainer.model_wrapped) if swift else None
         trainer.save_model(os.path.join(out, "saved"))
         received = SAVES[before:]
+        kept = {} if forced is None else {
+            "swift_kept": trainer.model_wrapped.__dict__.get("_zero3_consolidated_16bit_state_dict") is forced}
         dist.barrier()
         saved = read_adapter(os.path.join(out, "saved"))
         files = sorted(os.listdir(os.path.join(out, "saved")))
@@ -151,7 +170,7 @@ def trainer_save(stage: int, gather: bool, resized: bool = False) -> dict:
             saved["by_hand"] = by_hand(trainer.model_wrapped.module, os.path.join(out, "hand"))
         dist.barrier()  # rank 0's directory goes when it leaves the block
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses, "files": files, "received": received, **saved}
+    return {"losses": losses, "files": files, "received": received, **kept, **saved}
 
 
 def custom_engine(threshold_zero: bool = True):
@@ -286,6 +305,8 @@ def run(mode: str) -> dict:
     if mode != "reference":  # the vocabulary resized: peft saves the (frozen) embeddings too
         out["resized_off"] = attempt(trainer_save, 3, False, True)
         out["resized_on"] = attempt(trainer_save, 3, True, True)
+        # ms-swift's own exclude_frozen_parameters attribute on the engine, 16-bit gather on
+        out["swift"] = attempt(trainer_save, 3, True, True, True)
     if mode == "with":  # the 16-bit gather on, nothing resized: "reference" with zeroshim
         out["gather_on"] = attempt(trainer_save, 3, True)
     return out
