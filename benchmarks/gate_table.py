@@ -157,6 +157,7 @@ REQUIREMENTS = {
          "DeepSpeedZeroConfig.model_fields (pydantic v2 BaseModel)"),
     ],
     "zero_auto_hidden_size": [],
+    "trainer_auto_hidden_size": [],  # transformers' HfTrainerDeepSpeedConfig: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",
          ("param_list", "async_op", "hierarchy")),

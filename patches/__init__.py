@@ -37,6 +37,7 @@ PATCH_MODULES = (
     "zero3_gloo_gather",
     "zero3_inflight_params",
     "zero_auto_hidden_size",
+    "trainer_auto_hidden_size",
     "zero3_mixed_dtype_gather",
     "zero3_conversion_dropped_keys",
     "loss_without_grad",

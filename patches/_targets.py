@@ -27,6 +27,7 @@ TARGETS = {
     'zero3_gloo_gather': ('deepspeed.runtime.zero.partition_parameters',),
     'zero3_inflight_params': ('deepspeed.runtime.zero.partitioned_param_coordinator',),
     'zero_auto_hidden_size': ('accelerate.accelerator',),
+    'trainer_auto_hidden_size': ('transformers.integrations.deepspeed',),
     'zero3_mixed_dtype_gather': ('deepspeed.runtime.zero.partition_parameters',),
     'zero3_conversion_dropped_keys': ('transformers.integrations.deepspeed',),
     'loss_without_grad': ('deepspeed.runtime.engine',),
