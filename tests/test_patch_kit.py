@@ -74,7 +74,7 @@ imported = import_targets()
 
 def changes():
     # the public query (as gevent's get_original / is_object_patched), never private state
-    return {name: zeroshim.changes(name) for name in zeroshim.patch_names() + ("engine_tracking",)}
+    return {name: zeroshim.changes(name) for name in zeroshim.patch_names() + ("engine_tracking", "ranks_agree")}
 
 
 def wrapped_once(records, name):

@@ -35,10 +35,13 @@ digest; once every rank posted, the digest's count equals the world size exactly
 same patches, which is all that agreement needs.  Only then does a rank read every report (to say which ranks
 and why), and only a rank that waits past a WARNING's interval probes which ranks are missing.
 
-Decisions are compared as they were at this rank's first post (flags and gates are read at import;
-``zeroshim.configure()`` on some ranks only after that is not seen; a patch whose target module is imported
-after that post is reported as acting, so a source fingerprint that turns it off later on some nodes only -- another
-install there -- is not seen).  A patch that changes collectives and fails
+Decisions are compared as they were at this rank's first post (flags are read at import, version ranges and
+source fingerprints when it posts; ``zeroshim.configure()`` on some ranks only after that is not seen).  A patch
+whose target module is imported after that post is reported as acting (pending): what its apply then finds
+there (a target changed, an apply that raises) on some nodes only -- another install there -- is not seen.  The
+early post at ``zero.Init`` covers the ranks that build under it: a rank that builds its model without
+``zero.Init`` (its ``HfDeepSpeedConfig`` dropped where ``zero3_hf_config_weakref`` is off there) reports at its
+engine, as before.  A patch that changes collectives and fails
 inside its wrapper (``guard``) after the ranks agreed cannot fall back on one rank alone: ``guard`` re-raises.  One
 that changes numbers only still falls back on its rank (logged there): a bug in zeroshim fails alike on every rank
 as a rule, and stopping would end runs that train.
@@ -52,7 +55,7 @@ import threading
 import time
 
 from . import _log
-from ._patcher import Patcher
+from ._patcher import SHARED, Patcher
 
 PATCH_NAME = "ranks_agree"  # the tag on the engine tracker's use (never a user-facing patch)
 TIMEOUT_VAR = "ZEROSHIM_AGREE_TIMEOUT"
@@ -65,7 +68,7 @@ WARN_EVERY_S = 30.0
 KEY = "zeroshim/agree/v2/"  # v2: counters and digests beside the reports
 
 _lock = threading.RLock()
-_patcher = Patcher(PATCH_NAME)
+_patcher = SHARED[PATCH_NAME] = Patcher(PATCH_NAME)  # its zero.Init wrapper: seen by changes(), get_original()
 _installed: list = []
 _posted: dict = {}      # store identity -> this rank's report (posted once per store)
 _posting: dict = {}     # store identity -> (the report being posted, the steps of post() done)
@@ -240,19 +243,28 @@ def post_early() -> bool:
         return False
     store, world, rank = found
     ident = id(store)
-    with _lock:
+    # never wait here: a thread in the exchange holds the lock while it waits for the ranks, and it has posted
+    if not _lock.acquire(blocking=False):
+        return False
+    try:
         if ident in _posted or ident in _settled:
             return False
-        mine = _posting.setdefault(ident, (decisions(), set()))[0]
+        if ident not in _posting:
+            _posting[ident] = (decisions(), set())
+        mine = _posting[ident][0]
         post(store, world, rank, mine, _posting[ident][1])
         _posted[ident] = mine
         stats["early_posts"] += 1
+    finally:
+        _lock.release()
     return True
 
 
 def _zero_init(wrapped, instance, args, kwargs):
     """Wraps ``deepspeed.zero.Init.__init__``: after it (the process group exists then), :func:`post_early`."""
     result = wrapped(*args, **kwargs)
+    if not _installed:  # left in a chain another library wrapped after zeroshim's, then unpatched
+        return result
     try:
         post_early()
     except Exception as exc:  # the store failed: the check before acting or before the engine posts again
