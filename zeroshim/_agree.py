@@ -214,9 +214,7 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
             return _settled[ident]
         stats["checks"] += 1
         if ident not in _posted:
-            mine = _posting.setdefault(ident, (decisions(), set()))[0]
-            post(store, world, rank, mine, _posting[ident][1])
-            _posted[ident] = mine  # only once it is in the store: a failed post goes on at the next check
+            _post_once(store, world, rank)
         at_stake = any(entry[0] for entry in _posted[ident]["patches"].values())
         if not _wait_for_all(store, world, rank, limit if at_stake else min(limit, IDLE_WAIT_S), where, at_stake):
             return []  # nothing at stake here, and some rank never said: go on
@@ -229,6 +227,18 @@ def exchange(store, world: int, rank: int, *, limit: float, where: str) -> "list
         stats["disagreements"] += len(splits)
         _act_on(splits, where)
     return splits
+
+
+def _post_once(store, world: int, rank: int) -> None:
+    """Post this rank's report on ``store`` (under ``_lock``): its decisions as they are at the first attempt, and
+    only the steps of :func:`post` not done yet; it counts as posted only once it is all in the store (a failed
+    post goes on at the next attempt)."""
+    ident = id(store)
+    if ident not in _posting:
+        _posting[ident] = (decisions(), set())
+    mine, done = _posting[ident]
+    post(store, world, rank, mine, done)
+    _posted[ident] = mine
 
 
 def post_early() -> bool:
@@ -249,11 +259,7 @@ def post_early() -> bool:
     try:
         if ident in _posted or ident in _settled:
             return False
-        if ident not in _posting:
-            _posting[ident] = (decisions(), set())
-        mine = _posting[ident][0]
-        post(store, world, rank, mine, _posting[ident][1])
-        _posted[ident] = mine
+        _post_once(store, world, rank)
         stats["early_posts"] += 1
     finally:
         _lock.release()

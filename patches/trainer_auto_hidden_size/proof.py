@@ -1,22 +1,16 @@
 """The judge of ``trainer_auto_hidden_size`` (used by ``zeroshim prove`` and tests/test_trainer_auto_hidden_size.py): HF
-Trainer, ZeRO-3 config with "auto" bucket sizes, a tiny LLaVA whose config has only ``text_config.hidden_size``."""
+Trainer, ZeRO-3 config with "auto" bucket sizes, a tiny LLaVA whose config has only ``text_config.hidden_size``: the
+runs ``zero_auto_hidden_size`` judges through accelerate, judged the same way."""
 
-from zeroshim._prove import equal, failed_vs_equal, ranks_of
+from zeroshim._prove import ranks_of
+from zeroshim.patches.zero_auto_hidden_size.proof import judge_runs
 
 NAME = "trainer_auto_hidden_size"
 ARGS = ()
 
 
 def judge(ranks):
-    without, with_, proven = failed_vs_equal(ranks, "without", "with", "reference", patch=NAME)
-    harmless = all(equal(r["explicit/with"], r["reference"]) and equal(r["text/with"], r["text/without"])
-                   for r in ranks)
-    if proven and not harmless:
-        with_ = "filled and trained, but a config without \"auto\" or a text model trained differently with zeroshim"
-    elif proven:
-        with_ = ("trained; losses and parameters equal the config with the numbers written by hand bit for bit "
-                 "(a text model and explicit numbers: unchanged)")
-    return without, with_, proven and harmless
+    return judge_runs(ranks, NAME)
 
 
 def prove(launch, out, nproc, device):

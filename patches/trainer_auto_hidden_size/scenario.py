@@ -65,7 +65,6 @@ def train(kind: str, auto: bool) -> dict:
 
     unset_hf_deepspeed_config()  # the last run's ZeRO-3 config: LLaVA's towers (from_config) would be partitioned
     model = build(kind)
-    built = {"built_partitioned": any(hasattr(p, "ds_id") for p in model.parameters())}
     with tempfile.TemporaryDirectory() as scratch:
         holder = [scratch]
         dist.broadcast_object_list(holder, src=0)
@@ -79,7 +78,7 @@ def train(kind: str, auto: bool) -> dict:
         dist.barrier()
     zc = trainer.model_wrapped._config.zero_config  # what the engine runs with
     return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            **param_digest(trainer.model_wrapped), **built,
+            **param_digest(trainer.model_wrapped),
             "zero": [zc.reduce_bucket_size, zc.prefetch_bucket_size, zc.param_persistence_threshold]}
 
 

@@ -297,7 +297,8 @@ def _frozen(selected: dict) -> int:
 
 
 def _trainer_plan(trainer):
-    """``(case, selected)`` where zeroshim gathers what a Trainer's peft save writes, else None.  Cases:
+    """``(case, selected, frozen)`` where zeroshim gathers what a Trainer's peft save writes (``frozen``: how
+    many of those are parameters that do not train), else None.  Cases:
     ``"dropped"`` (transformers < 5 without the 16-bit gather: it would write no tensors), ``"full"``
     (transformers < 5 with it: it would gather the whole model, frozen base included, onto the saving rank),
     ``"frozen"`` (transformers >= 5: it gathers the trainable tensors only, and peft would write frozen
@@ -308,11 +309,12 @@ def _trainer_plan(trainer):
     selected, certain = peft_selection(engine.module)
     if not selected:
         return None
+    frozen = _frozen(selected)
     if _where.get("trainer_kind") == "gathers":
-        if not certain or not _frozen(selected):
+        if not certain or not frozen:
             return None  # transformers' own save writes the same tensors (it keeps every persistent buffer)
-        return "frozen", selected
-    return ("full" if engine.zero_gather_16bit_weights_on_model_save() else "dropped"), selected
+        return "frozen", selected, frozen
+    return ("full" if engine.zero_gather_16bit_weights_on_model_save() else "dropped"), selected, frozen
 
 
 _WHY = {
@@ -362,7 +364,7 @@ def _save_model(wrapped, instance, args, kwargs):
     with guard(NAME):
         plan = _trainer_plan(instance) if is_active(NAME) else None
         if plan is not None:
-            case, selected = plan
+            case, selected, frozen = plan
             params = [t for t in selected.values() if hasattr(t, "ds_id")]
             # every rank must gather the same parameters (peft may ask the Hub for the base config)
             why = _rendezvous(params, "trainer")
@@ -374,7 +376,7 @@ def _save_model(wrapped, instance, args, kwargs):
                 keep = bool(instance.args.should_save)  # where transformers writes the files
                 engine = instance.model_wrapped
                 gathered = _gather_selected(engine, selected, keep)
-                _pending[id(instance)] = (case, gathered, len(selected), _frozen(selected))
+                _pending[id(instance)] = (case, gathered, len(selected), frozen)
                 if case != "dropped":
                     engines = [engine] + [e for e in (getattr(instance, "deepspeed", None),)
                                           if e is not None and e is not engine]

@@ -41,7 +41,7 @@ from common import attempt, begin, ds_config, enable_zeroshim, end, import_deeps
 # runs compared here read parameters through DeepSpeed's blocking ZeRO-3 gathers, which race on gloo before
 # 0.19.8: patch zero3_gloo_gather stays on in the runs without zeroshim too (not the subject here)
 deepspeed = import_deepspeed(fix_gloo_gathers=True)
-from tiny_lora import SEQ, VOCAB, batch, build_model  # noqa: E402  (after DeepSpeed: old releases need it)
+from tiny_lora import SEQ, VOCAB, batch, build_model, llama_config  # noqa: E402  (after DeepSpeed: old releases need it)
 
 NAME = "zero3_peft_save"
 ADAPTER = "adapter_model.safetensors"
@@ -144,7 +144,7 @@ def trainer_save(stage: int, gather: bool, resized: bool = False, swift: bool = 
         out = shared[0]
         base = os.path.join(out, "base")
         if resized and dist.get_rank() == 0:
-            build_model(config, zero_init=False, resize_to=VOCAB + 4, base_dir=base)  # writes base/config.json
+            llama_config().save_pretrained(base)  # the base checkpoint's config, with the vocabulary before resizing
         dist.barrier()
         model = build_model(config, zero_init=False, resize_to=VOCAB + 4 if resized else None, base_dir=base)
         # Our own optimizer and scheduler (see trainer_lora.py: with Trainer's defaults, LoRA-only training

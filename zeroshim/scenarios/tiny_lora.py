@@ -4,7 +4,6 @@
 transformers/peft/DeepSpeed version starts from the same model), peft LoRA on
 q_proj/v_proj, and its batches."""
 
-import os
 import zlib
 
 import torch
@@ -41,19 +40,28 @@ def fill_shards(model, scale: float = 0.05) -> None:
             p.ds_tensor.flatten()[:valid].copy_(full[start:start + valid])
 
 
-def build_model(config: dict, layers: int = 2, hidden: int = 32, zero_init: bool = True,
-                targets=("q_proj", "v_proj"), resize_to: "int | None" = None, base_dir: "str | None" = None):
-    """The LoRA model (peft), every parameter set from :func:`_values`.  ``resize_to``: the vocabulary is
-    resized to that many tokens before LoRA (the new rows seeded alike on every rank), and the model
-    names ``base_dir`` (where its base config.json, with :data:`VOCAB` tokens, is written) as its base
-    checkpoint, so that peft sees the vocabulary resized since the base and saves the embeddings too."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(layers: int = 2, hidden: int = 32):
+    """The base model's ``LlamaConfig`` (:data:`VOCAB` tokens, eager attention)."""
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
     cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_model(config: dict, layers: int = 2, hidden: int = 32, zero_init: bool = True,
+                targets=("q_proj", "v_proj"), resize_to: "int | None" = None, base_dir: "str | None" = None):
+    """The LoRA model (peft), every parameter set from :func:`_values`.  ``resize_to``: the vocabulary is
+    resized to that many tokens before LoRA (the new rows seeded alike on every rank), and the model
+    names ``base_dir`` as its base checkpoint (the caller writes :func:`llama_config` there, with
+    :data:`VOCAB` tokens), so that peft sees the vocabulary resized since the base and saves the
+    embeddings too."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(layers, hidden)
     if zero_init:
         from common import import_deepspeed
 
@@ -67,8 +75,6 @@ def build_model(config: dict, layers: int = 2, hidden: int = 32, zero_init: bool
                 p.copy_(_values(name, p.shape))
     if resize_to is not None:
         assert not zero_init and base_dir is not None
-        if not os.path.exists(os.path.join(base_dir, "config.json")):
-            cfg.save_pretrained(base_dir)
         model.config._name_or_path = model.name_or_path = base_dir
         torch.manual_seed(0)
         model.resize_token_embeddings(resize_to)
