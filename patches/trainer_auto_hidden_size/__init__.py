@@ -28,8 +28,9 @@ Cause
 Affected versions
     transformers 4.33.0 (where ``integrations/deepspeed.py`` begins) to
     4.45.2, read in the released wheels 4.33.0, 4.40.2, 4.44.2 and 4.45.2
-    (the raise, no ``text_config``); 4.46.0 reads ``text_config``.  Any
-    DeepSpeed.  The source fingerprint: that raise in a file that never reads
+    (the raise, no ``text_config``); 4.46.0 reads ``text_config``.  4.32.1
+    and older raise the same in ``transformers/deepspeed.py`` (read in the
+    4.32.1 wheel): not handled here (no target there).  Any DeepSpeed.  The source fingerprint: that raise in a file that never reads
     ``text_config``.  accelerate's own preparation has the same limitation
     (patch ``zero_auto_hidden_size``): with "auto" left for a ZeRO-1/2
     config's ``stage3_*`` entries Trainer 4.45 raises here first.
