@@ -26,6 +26,7 @@ PATCH_MODULES = (
     "checkpoint_weights_only",
     "zero3_generate_sync",
     "zero3_moe_leaf",
+    "zero_moe_skipped_experts",
     "offload_worker_fork",
     "epoch_boundary",
     "zero3_hf_config_weakref",

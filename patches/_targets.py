@@ -16,6 +16,7 @@ TARGETS = {
     'checkpoint_weights_only': ('deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine', 'deepspeed.utils.zero_to_fp32'),
     'zero3_generate_sync': ('transformers.generation.utils',),
     'zero3_moe_leaf': ('deepspeed.runtime.engine',),
+    'zero_moe_skipped_experts': ('deepspeed.runtime.engine',),
     'offload_worker_fork': ('torch.utils.data.dataloader', 'deepspeed.runtime.engine'),
     'epoch_boundary': ('deepspeed.runtime.engine', 'deepspeed.runtime.dataloader', 'transformers.trainer_callback'),
     'zero3_hf_config_weakref': ('transformers.integrations.deepspeed',),

@@ -1,0 +1,111 @@
+"""Unit tests of zero_moe_skipped_experts' reading of a block's source (patches/zero_moe_skipped_experts): each form
+of the skip is removed, and nothing else is touched."""
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zeroshim.patches.zero_moe_skipped_experts import rewrite  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(n))
+        self.calls = []
+
+    def expert_hit(self, x, route):
+        out = torch.zeros_like(x)
+        expert_mask = torch.nn.functional.one_hot(route, num_classes=len(self.experts)).permute(1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=-1), 0).nonzero()
+        for expert_idx in expert_hit:
+            self.calls.append(int(expert_idx))
+            rows = torch.where(expert_mask[expert_idx].squeeze(0))[0]
+            out.index_add_(0, rows, self.experts[expert_idx](x[rows]))
+        return out
+
+    def continue_if_empty(self, x, route):
+        out = torch.zeros_like(x)
+        for i in range(len(self.experts)):
+            rows = (route == i).nonzero().flatten()
+            if rows.shape[0] == 0:
+                continue
+            self.calls.append(i)
+            out.index_add_(0, rows, self.experts[i](x[rows]))
+        return out
+
+    def if_not_empty(self, x, route):
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (route == i).nonzero().flatten()
+            if rows.numel() > 0:
+                self.calls.append(i)
+                out.index_add_(0, rows, expert(x[rows]))
+        return out
+
+    def with_else(self, x, route):  # an `if` with an `else` is not a skip: left alone
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (route == i).nonzero().flatten()
+            if rows.numel() > 0:
+                out.index_add_(0, rows, expert(x[rows]))
+            else:
+                self.calls.append(-i)
+        return out
+
+    def not_experts(self, x, route):  # a loop that does not touch self.experts: left alone
+        for i in range(3):
+            if x.shape[0] == 0:
+                continue
+        return x
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - a decorated method with a skip
+    def decorated(self, x, route):
+        for i in range(len(self.experts)):
+            if x.numel() == 0:
+                continue
+            self.experts[i](x)
+
+
+@pytest.mark.parametrize("form", ["expert_hit", "continue_if_empty", "if_not_empty"])
+def test_each_form_runs_every_expert_with_the_same_output(form):
+    torch.manual_seed(0)
+    block = Block()
+    x, route = torch.randn(5, 2), torch.tensor([1, 1, 3, 1, 3])
+    expected = getattr(block, form)(x, route)
+    assert block.calls == [1, 3]
+    new, forms = rewrite(getattr(Block, form))
+    assert forms == [form]
+    block.calls.clear()
+    got = new(block, x, route)
+    assert block.calls == [0, 1, 2, 3]  # every expert, in index order
+    assert torch.equal(got, expected)  # bit for bit: an empty slice adds nothing
+    got.sum().backward()
+    assert all(p.grad is not None for p in block.experts.parameters())  # a gradient for every expert
+    assert all(not p.grad.any() for p in (*block.experts[0].parameters(), *block.experts[2].parameters()))
+
+
+def test_the_copy_keeps_the_methods_file_and_line_numbers():
+    new, _ = rewrite(Block.continue_if_empty)
+    assert new.__code__.co_filename == Block.continue_if_empty.__code__.co_filename
+    assert new.__code__.co_firstlineno == Block.continue_if_empty.__code__.co_firstlineno
+    assert new.__qualname__ == Block.continue_if_empty.__qualname__
+
+
+@pytest.mark.parametrize("method", ["with_else", "not_experts", "__init__"])
+def test_no_skip_no_rewrite(method):
+    assert rewrite(getattr(Block, method)) == (None, [])
+
+
+def test_a_decorated_method_with_a_skip_is_named_not_rewritten():
+    new, reason = rewrite(Block.decorated)
+    assert new is None and reason == "it is decorated"
+
+
+def test_a_method_whose_source_cannot_be_read_is_named():
+    namespace = {}
+    exec("def forward(self, x):\n    for e in self.experts:\n        pass\n", namespace)  # noqa: S102
+    new, reason = rewrite(namespace["forward"])
+    assert new is None and reason.startswith("its source cannot be read")
