@@ -109,3 +109,80 @@ def test_a_method_whose_source_cannot_be_read_is_named():
     exec("def forward(self, x):\n    for e in self.experts:\n        pass\n", namespace)  # noqa: S102
     new, reason = rewrite(namespace["forward"])
     assert new is None and reason.startswith("its source cannot be read")
+
+
+BLOCKS_MODULE = '''
+import torch
+
+
+class Skipping(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(2, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+        self.calls = []
+
+    def forward(self, x):
+        route = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i in range(len(self.experts)):
+            rows = (route == i).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            self.calls.append(i)
+            out.index_add_(0, rows, self.experts[i](x[rows]))
+        return out
+
+
+class Unreadable(Skipping):
+    pass
+
+
+_namespace = {}
+exec("def forward(self, x):\\n    for e in self.experts:\\n        pass\\n    return x\\n", globals(), _namespace)
+Unreadable.forward = _namespace["forward"]
+'''
+
+MARK = '''
+import logging, sys, torch, zeroshim, deepspeed.runtime.engine
+from zeroshim.patches import zero_moe_skipped_experts as patch
+import blocks
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+original = vars(blocks.Skipping)["forward"]
+marked, other, unreadable = blocks.Skipping(), blocks.Skipping(), blocks.Unreadable()
+for block in (marked, other):  # every token to expert 1
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        block.gate.weight[1] = 1.0
+patch._mark(torch.nn.ModuleList([marked, unreadable]))
+x = torch.rand(3, 2)
+marked(x), other(x)
+print("CALLS", marked.calls, other.calls, list(patch._marked) == [marked])
+print("WRAPPED", vars(blocks.Skipping)["forward"] is not original, zeroshim.is_object_patched(blocks.Skipping, "forward"))
+zeroshim.unpatch("zero_moe_skipped_experts")
+marked.calls.clear()
+marked(x)
+print("RESTORED", vars(blocks.Skipping)["forward"] is original, marked.calls)
+'''
+
+
+def test_only_marked_modules_run_every_expert_and_undo_restores_the_class(tmp_path):
+    """The rewritten method runs for the modules of the engine only (another instance keeps its skip); a
+    per-expert block whose method cannot be read is named at WARNING; ``zeroshim.unpatch`` restores the class.
+    Without DeepSpeed ranks: ``_mark`` is what the engine wrapper calls for a ZeRO-1/2 engine on several ranks."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    from harness import clean_env
+
+    (tmp_path / "blocks.py").write_text(BLOCKS_MODULE)
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", MARK], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines() if " " in line}
+    assert said["CALLS"] == "[0, 1, 2, 3] [1] True"  # the marked module: every expert; the other keeps its skip
+    assert said["WRAPPED"] == "True True"
+    assert said["RESTORED"] == "True [1]"
+    assert "could not read whether MoE block Unreadable skips experts" in out.stdout + out.stderr

@@ -252,8 +252,13 @@ def changes(name: str) -> "List[Change]":
 
 
 def _change_of(owner: object, attr: str) -> "Optional[Change]":
-    current = getattr(owner, attr, None)
-    from ._patcher import SHARED
+    from ._patcher import _MISSING, SHARED
+
+    # the owner's own attribute, as the patcher set it: through the class, a wrapt wrapper of a method is bound
+    # anew at each access (wrapt >= 2), so ``getattr`` never gives back the object zeroshim stored
+    current = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    if current is _MISSING:
+        current = getattr(owner, attr, None)
 
     for name in tuple(SHARED) + patch_names():
         for change in changes(name):
