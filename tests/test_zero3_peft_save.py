@@ -115,6 +115,40 @@ def test_selection_where_peft_computes_on_what_it_saves():
     assert {n for n, p in ada.named_parameters() if p.requires_grad} <= set(selected)
 
 
+def test_custom_loop_plan_where_peft_computes_on_what_it_saves():
+    """A custom loop's ``save_pretrained`` of an AdaLoRA model with a rank pattern: asking peft which placeholders
+    it would return raises on the ZeRO-3 placeholders (shape [0]); the plan is then the superset (every trainable
+    tensor and both embeddings), gathered before peft computes on the real tensors, instead of a stop."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from peft.utils import save_and_load
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zeroshim.patches import zero3_peft_save as patch
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    ada = peft.get_peft_model(LlamaForCausalLM(config), peft.AdaLoraConfig(init_r=4, target_r=2, total_step=10,
+                                                                           target_modules=["q_proj"]))
+    ada.peft_config["default"].rank_pattern = {  # as AdaLoRA's allocator writes it: 2 of 4 ranks kept
+        name.removeprefix("base_model.model."): [True, False, True, False]
+        for name, _ in ada.named_parameters() if "lora_E" in name}
+    for i, param in enumerate(ada.parameters()):  # what ZeRO-3 leaves outside a gather
+        param.data = torch.empty(0)
+        param.ds_id, param.ds_status = i, ZeroParamStatus.NOT_AVAILABLE
+    original = getattr(save_and_load.get_peft_model_state_dict, "__wrapped__",
+                       save_and_load.get_peft_model_state_dict)
+    with pytest.raises(Exception):
+        original(ada)  # peft itself, on the placeholders
+    plan = patch._placeholders(original, (ada,), {})
+    named = {id(p): n for n, p in ada.named_parameters()}
+    planned = {named[id(p)] for p in plan}
+    assert {n for n, p in ada.named_parameters() if p.requires_grad} <= planned
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= planned
+
+
 def test_trainer_gathers_only_what_peft_writes(ranks):
     """What the saving rank's ``Trainer._save`` receives: with zeroshim only the tensors peft writes (the LoRA
     tensors; with the vocabulary resized, the embeddings too), in every case; without it, on transformers < 5

@@ -445,7 +445,9 @@ def _is_peft_model(model) -> bool:
 # -- peft: get_peft_model_state_dict ----------------------------------------------------
 def _placeholders(wrapped, args, kwargs):
     """The ZeRO-3 parameters (not gathered now) whose placeholders ``get_peft_model_state_dict``
-    would return, found by calling it on ``state_dict(keep_vars=True)`` (no collective); [] if none."""
+    would return, found by calling it on ``state_dict(keep_vars=True)`` (no collective); [] if none.  Where
+    that call fails on the placeholders (a tuner that computes on what it saves), the superset of
+    :func:`peft_selection`."""
     import inspect
     import warnings
 
@@ -456,13 +458,19 @@ def _placeholders(wrapped, args, kwargs):
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
         return []
     bound.arguments["state_dict"] = model.state_dict(keep_vars=True)  # the Parameters themselves
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        probe = wrapped(*bound.args, **bound.kwargs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            values = wrapped(*bound.args, **bound.kwargs).values()
+    except Exception:
+        # a tuner that computes on what it saves (AdaLoRA's rank pattern, VB-LoRA's top-k) fails on placeholders
+        # of shape [0]: gather what peft_selection takes where it cannot be certain (every trainable tensor and
+        # both embeddings, a superset), and peft then computes on the real tensors
+        values = peft_selection(model)[0].values()
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     plan, seen = [], set()
-    for value in probe.values():
+    for value in values:
         if getattr(value, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE and id(value) not in seen:
             seen.add(id(value))
             plan.append(value)
