@@ -158,6 +158,10 @@ patch._mark(torch.nn.ModuleList([marked, unreadable]))
 x = torch.rand(3, 2)
 marked(x), other(x)
 print("CALLS", marked.calls, other.calls, list(patch._marked) == [marked])
+marked.calls.clear()
+with torch.no_grad():
+    marked(x)
+print("NOGRAD", marked.calls)
 print("WRAPPED", vars(blocks.Skipping)["forward"] is not original, zeroshim.is_object_patched(blocks.Skipping, "forward"))
 zeroshim.unpatch("zero_moe_skipped_experts")
 marked.calls.clear()
@@ -167,7 +171,8 @@ print("RESTORED", vars(blocks.Skipping)["forward"] is original, marked.calls)
 
 
 def test_only_marked_modules_run_every_expert_and_undo_restores_the_class(tmp_path):
-    """The rewritten method runs for the modules of the engine only (another instance keeps its skip); a
+    """The rewritten method runs for the modules of the engine only (another instance keeps its skip), where
+    grad is enabled; a
     per-expert block whose method cannot be read is named at WARNING; ``zeroshim.unpatch`` restores the class.
     Without DeepSpeed ranks: ``_mark`` is what the engine wrapper calls for a ZeRO-1/2 engine on several ranks."""
     import subprocess
@@ -183,6 +188,7 @@ def test_only_marked_modules_run_every_expert_and_undo_restores_the_class(tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
     said = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines() if " " in line}
     assert said["CALLS"] == "[0, 1, 2, 3] [1] True"  # the marked module: every expert; the other keeps its skip
+    assert said["NOGRAD"] == "[1]"  # no gradient to reduce (evaluation, generation): the skip stays
     assert said["WRAPPED"] == "True True"
     assert said["RESTORED"] == "True [1]"
     assert "could not read whether MoE block Unreadable skips experts" in out.stdout + out.stderr

@@ -63,8 +63,10 @@ Fix
     in the same order on every rank.  Keeping that order is what makes stage
     2 right (benchmarks/RESULTS.md, section 43: a hook that only adds each
     expert's empty output fixes stage 1, not stage 2).  The class's method is
-    wrapped and runs the copy for the modules of such engines only; other
-    instances (an evaluation copy, a reference model) are left alone.  A
+    wrapped and runs the copy for the modules of such engines only, where
+    grad is enabled (evaluation and generation keep the skip: no gradient
+    is reduced there); other instances (an evaluation copy, a reference
+    model) are left alone.  A
     method that is decorated, has a closure, or whose source cannot be read
     is not rewritten (a block known as per-expert MoE that is not rewritten
     for that reason is named at WARNING).  Said once per job at WARNING:
@@ -266,8 +268,12 @@ def _per_expert(module) -> bool:
 
 def _dispatcher(key):
     """The wrapper of one block method that skips empty experts: the rewritten copy for the marked modules."""
+    import torch
+
     def dispatch(wrapped, instance, args, kwargs):
-        if instance is not None and instance in _marked and is_active(NAME):
+        # without grad (evaluation, generation in RL rollouts, reentrant checkpointing's first pass) no gradient is
+        # reduced: the skip is harmless there, and running un-hit experts would only cost time
+        if instance is not None and torch.is_grad_enabled() and instance in _marked and is_active(NAME):
             function = _rewritten.get(key)
             if function is not None:
                 return function(instance, *args, **kwargs)
