@@ -13,10 +13,10 @@ pytestmark = pytest.mark.deepspeed
 NAME = "zero_moe_skipped_experts"
 TF = Version(version("transformers"))
 # which of the scenario's transformers blocks skip experts without tokens, written here from the wheels read for
-# benchmarks/RESULTS.md section 43 (not from the patch's reading of the source): Qwen3-MoE 4.53-4.57, Jamba and
-# DeepSeek-V3 every 4.x release that has them; 5.x fuses all three.  RemoteMoe (remote code) skips everywhere.
+# benchmarks/RESULTS.md section 43 (not from the patch's reading of the source): Qwen3-MoE 4.53-4.57, Jamba,
+# DeepSeek-V2 and -V3 every 4.x release that has them; 5.x fuses all four.  RemoteMoe (remote code) skips everywhere.
 SKIPS = {"Qwen3MoeSparseMoeBlock": Version("4.53") <= TF < Version("5"), "JambaSparseMoeBlock": TF < Version("5"),
-         "DeepseekV3MoE": TF < Version("5"), "RemoteMoe": True}
+         "DeepseekV3MoE": TF < Version("5"), "DeepseekV2MoE": TF < Version("5"), "RemoteMoe": True}
 RUNS = ("with/zero1", "with/zero2", "with/zero1/default", "with/zero2/default", "same/with")
 
 
@@ -65,3 +65,15 @@ def test_exactly_the_blocks_that_skip_are_rewritten(ranks):
             assert rank[key]["marked"] == expected, key
         assert rank["stats"]["blocks"] == len(expected) * len(RUNS)
         assert rank["stats"]["unreadable"] == 0
+        assert rank["with/zero0"]["marked"] == []  # ZeRO-0 reduces missing gradients as zeros itself
+
+
+def test_ranks_that_read_the_blocks_differently_stop_naming_them(tmp_path):
+    """Rank 1 cannot read one block's source (a node whose install ships none, or other model code): marking on
+    rank 0 only would reduce other gradients on each rank, so every rank stops before its engine is built, naming
+    the ranks, instead of training."""
+    ranks = torchrun(NAME, 2, tmp_path, "--split")["ranks"]
+    for rank in ranks:
+        assert not rank["split"]["ok"]
+        assert "RanksDisagree" in rank["split"]["error"]
+        assert "the ranks read the MoE blocks differently" in rank["split"]["error"]

@@ -11,10 +11,13 @@ from zeroshim.patches.zero_moe_skipped_experts import rewrite  # noqa: E402
 
 
 class Block(torch.nn.Module):
+    SCALE = 2.0
+
     def __init__(self, n=4):
         super().__init__()
         self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(n))
         self.calls = []
+        self.__scale = 0.5
 
     def expert_hit(self, x, route):
         out = torch.zeros_like(x)
@@ -45,7 +48,7 @@ class Block(torch.nn.Module):
                 out.index_add_(0, rows, expert(x[rows]))
         return out
 
-    def with_else(self, x, route):  # an `if` with an `else` is not a skip: left alone
+    def with_else(self, x, route):  # the expert runs only where it got tokens, with an `else`: not removed
         out = torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
             rows = (route == i).nonzero().flatten()
@@ -61,6 +64,104 @@ class Block(torch.nn.Module):
                 continue
         return x
 
+    def not_numel(self, x, route):  # `if not <size>: continue`
+        out = torch.zeros_like(x)
+        for i in range(len(self.experts)):
+            rows = (route == i).nonzero().flatten()
+            if not rows.numel():
+                continue
+            self.calls.append(i)
+            out.index_add_(0, rows, self.experts[i](x[rows]))
+        return out
+
+    def torch_nonzero(self, x, route):  # `torch.nonzero(<mask>)`, as_tuple=False
+        out = torch.zeros_like(x)
+        expert_mask = torch.nn.functional.one_hot(route, num_classes=len(self.experts)).permute(1, 0)
+        hit = torch.nonzero(expert_mask.sum(dim=-1) > 0, as_tuple=False)
+        for expert_idx in hit:
+            self.calls.append(int(expert_idx))
+            rows = torch.where(expert_mask[expert_idx].squeeze(0))[0]
+            out.index_add_(0, rows, self.experts[expert_idx](x[rows]))
+        return out
+
+    def count_name(self, x, route):  # DeepSeek-V2's form: a count from enumerate(tokens per expert)
+        order = route.argsort()
+        outputs, start = [], 0
+        for i, num_tokens in enumerate(torch.bincount(route, minlength=len(self.experts))):
+            if num_tokens == 0:
+                continue
+            self.calls.append(i)
+            outputs.append(self.experts[i](x[order][start:start + num_tokens]))
+            start += num_tokens
+        out = torch.empty_like(x)
+        out[order] = torch.cat(outputs)
+        return out
+
+    def mangled(self, x, route, k=SCALE):  # a private name and a class-level default, compiled where they stand
+        out = torch.zeros_like(x)
+        for i in range(len(self.experts)):
+            rows = (route == i).nonzero().flatten()
+            if rows.shape[0] == 0:
+                continue
+            self.calls.append(i)
+            out.index_add_(0, rows, self.experts[i](x[rows]) * self.__scale * k)
+        return out
+
+    # not a skip of an empty expert: never rewritten
+    def skip_by_index(self, x, route):  # the loop index is not a count: refused, not rewritten
+        out = self.experts[0](x)
+        for i in range(len(self.experts)):
+            if i == 0:
+                continue
+            out = out + self.experts[i](x)
+        return out
+
+    def if_by_index(self, x, route):
+        out = self.experts[0](x)
+        for i, expert in enumerate(self.experts):
+            if i > 0:
+                out = out + expert(x)
+        return out
+
+    def per_token(self, x, route):  # a loop over a nonzero() that is not the experts hit
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            rows = (route == e).nonzero()
+            for r in rows:
+                out[r] = out[r] + self.experts[e](x[r])
+        return out
+
+    def chunked(self, x, route):  # a loop around the loop over experts keeps its own test
+        out = torch.zeros_like(x)
+        for chunk in (torch.arange(3), torch.arange(3, 5)):
+            if chunk.numel() > 0:
+                for i, expert in enumerate(self.experts):
+                    rows = chunk[route[chunk] == i]
+                    out.index_add_(0, rows, expert(x[rows]))
+        return out
+
+    # a skip in a form not removed: refused whole (no partial rewrite)
+    def nested(self, x, route):
+        out = torch.zeros_like(x)
+        expert_mask = torch.nn.functional.one_hot(route, num_classes=len(self.experts)).permute(1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=-1), 0).nonzero()
+        for expert_idx in expert_hit:
+            rows = torch.where(expert_mask[expert_idx].squeeze(0))[0]
+            if self.training:
+                if rows.shape[0] == 0:
+                    continue
+            out.index_add_(0, rows, self.experts[expert_idx](x[rows]))
+        return out
+
+    def tolist(self, x, route):
+        out = torch.zeros_like(x)
+        expert_mask = torch.nn.functional.one_hot(route, num_classes=len(self.experts)).permute(1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=-1), 0).nonzero()
+        for expert_idx in expert_hit.squeeze(-1).tolist():
+            rows = torch.where(expert_mask[expert_idx])[0]
+            out.index_add_(0, rows, self.experts[expert_idx](x[rows]))
+        return out
+
     @functools.lru_cache(maxsize=None)  # noqa: B019 - a decorated method with a skip
     def decorated(self, x, route):
         for i in range(len(self.experts)):
@@ -69,19 +170,25 @@ class Block(torch.nn.Module):
             self.experts[i](x)
 
 
-@pytest.mark.parametrize("form", ["expert_hit", "continue_if_empty", "if_not_empty"])
-def test_each_form_runs_every_expert_with_the_same_output(form):
+FORMS = {"expert_hit": "expert_hit", "continue_if_empty": "continue_if_empty", "if_not_empty": "if_not_empty",
+         "not_numel": "continue_if_empty", "torch_nonzero": "expert_hit", "count_name": "continue_if_empty",
+         "mangled": "continue_if_empty"}
+
+
+@pytest.mark.parametrize("method", sorted(FORMS))
+def test_each_form_runs_every_expert_with_the_same_output(method):
     torch.manual_seed(0)
     block = Block()
     x, route = torch.randn(5, 2), torch.tensor([1, 1, 3, 1, 3])
-    expected = getattr(block, form)(x, route)
+    expected = getattr(block, method)(x, route)
     assert block.calls == [1, 3]
-    new, forms = rewrite(getattr(Block, form))
-    assert forms == [form]
+    new, forms = rewrite(getattr(Block, method), "Block")
+    assert forms == [FORMS[method]]
     block.calls.clear()
     got = new(block, x, route)
     assert block.calls == [0, 1, 2, 3]  # every expert, in index order
     assert torch.equal(got, expected)  # bit for bit: an empty slice adds nothing
+    assert new.__defaults__ == getattr(Block, method).__defaults__
     got.sum().backward()
     assert all(p.grad is not None for p in block.experts.parameters())  # a gradient for every expert
     assert all(not p.grad.any() for p in (*block.experts[0].parameters(), *block.experts[2].parameters()))
@@ -94,9 +201,17 @@ def test_the_copy_keeps_the_methods_file_and_line_numbers():
     assert new.__qualname__ == Block.continue_if_empty.__qualname__
 
 
-@pytest.mark.parametrize("method", ["with_else", "not_experts", "__init__"])
+@pytest.mark.parametrize("method", ["not_experts", "__init__", "if_by_index", "per_token", "chunked"])
 def test_no_skip_no_rewrite(method):
-    assert rewrite(getattr(Block, method)) == (None, [])
+    assert rewrite(getattr(Block, method), "Block") == (None, [])
+
+
+@pytest.mark.parametrize("method", ["skip_by_index", "nested", "tolist", "with_else"])
+def test_a_selection_in_another_form_is_refused_whole(method):
+    """A loop over experts that keeps a `continue`, a test of a token count or a selection this patch does not
+    rewrite: nothing of the method is used (a partial rewrite would say every expert runs where some do not)."""
+    new, reason = rewrite(getattr(Block, method), "Block")
+    assert new is None and isinstance(reason, str) and reason
 
 
 def test_a_decorated_method_with_a_skip_is_named_not_rewritten():
@@ -138,6 +253,11 @@ class Unreadable(Skipping):
     pass
 
 
+class Child(Skipping):  # reaches the skip through super(): the base's method is the one rewritten
+    def forward(self, x):
+        return super().forward(x) * 1.0
+
+
 _namespace = {}
 exec("def forward(self, x):\\n    for e in self.experts:\\n        pass\\n    return x\\n", globals(), _namespace)
 Unreadable.forward = _namespace["forward"]
@@ -149,15 +269,16 @@ from zeroshim.patches import zero_moe_skipped_experts as patch
 import blocks
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 original = vars(blocks.Skipping)["forward"]
-marked, other, unreadable = blocks.Skipping(), blocks.Skipping(), blocks.Unreadable()
-for block in (marked, other):  # every token to expert 1
+marked, other, unreadable, child = blocks.Skipping(), blocks.Skipping(), blocks.Unreadable(), blocks.Child()
+for block in (marked, other, child):  # every token to expert 1
     with torch.no_grad():
         block.gate.weight.zero_()
         block.gate.weight[1] = 1.0
-patch._mark(torch.nn.ModuleList([marked, unreadable]))
+patch._mark(torch.nn.ModuleList([marked, unreadable, child]))
 x = torch.rand(3, 2)
-marked(x), other(x)
-print("CALLS", marked.calls, other.calls, list(patch._marked) == [marked])
+marked(x), other(x), child(x)
+print("CALLS", marked.calls, other.calls, sorted(map(id, patch._marked)) == sorted(map(id, (marked, child))))
+print("CHILD", child.calls)
 marked.calls.clear()
 with torch.no_grad():
     marked(x)
@@ -188,7 +309,8 @@ def test_only_marked_modules_run_every_expert_and_undo_restores_the_class(tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
     said = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines() if " " in line}
     assert said["CALLS"] == "[0, 1, 2, 3] [1] True"  # the marked module: every expert; the other keeps its skip
+    assert said["CHILD"] == "[0, 1, 2, 3]"  # through super()
     assert said["NOGRAD"] == "[1]"  # no gradient to reduce (evaluation, generation): the skip stays
     assert said["WRAPPED"] == "True True"
     assert said["RESTORED"] == "True [1]"
-    assert "could not read whether MoE block Unreadable skips experts" in out.stdout + out.stderr
+    assert "could not make MoE block Unreadable run every expert" in out.stdout + out.stderr

@@ -15,7 +15,7 @@ Symptom
 Cause
     transformers 4.x per-expert MoE blocks run only the experts some token was
     routed to (``expert_hit``, or ``if ...numel() > 0``, or ``if
-    top_x.shape[0] == 0: continue``).  An expert no token reached on a rank gets
+    top_x.shape[0] == 0: continue``, or ``if num_tokens == 0: continue``).  An expert no token reached on a rank gets
     no gradient there.  DeepSpeed ZeRO-1/2 reduce gradients in flat buckets:
     stage 2 packs them in the order their hooks fire, stage 1 in parameter
     order skipping those without a gradient.  Ranks that reached different
@@ -27,16 +27,21 @@ Cause
 Affected versions
     Every DeepSpeed (ZeRO-1 and -2).  The model code decides, read in the
     transformers wheels 4.36.2-4.57.6 and 5.0.0 (benchmarks/RESULTS.md,
-    section 43): Mixtral <= 4.39 and 4.52-4.57, Qwen2-MoE 4.52-4.57, Qwen3-MoE
-    4.53-4.57, Qwen3-Omni (thinker and talker) and Qwen3-Next 4.57; PhiMoE,
-    Jamba in every 4.x release; DeepSeek-V3, dots1, GLM-4-MoE, GLM-4V-MoE,
-    LongCat-Flash, MiniMax, ERNIE-4.5-MoE, Hunyuan-V1-MoE in every 4.x release
-    that has them; remote-code blocks of the same shapes in any version.
-    transformers 5.x fuses the experts of its blocks into 3-D parameters
-    (every rank then has a gradient for the same parameters); 5.0.0's
-    Switch Transformers, NLLB-MoE and AFMoE still skip, in forms this patch
-    does not rewrite (see Fix).  DeepSpeed's leaf modules are read by ZeRO-3
-    only and do not help here.
+    sections 43 and 45): Mixtral <= 4.39 and 4.52-4.57, Qwen2-MoE 4.52-4.57,
+    Qwen3-MoE 4.53-4.57, Qwen3-Omni (thinker and talker) and Qwen3-Next 4.57;
+    PhiMoE, Jamba in every 4.x release; DeepSeek-V2, DeepSeek-V3, dots1,
+    GLM-4-MoE, GLM-4V-MoE, LongCat-Flash, MiniMax, ERNIE-4.5-MoE,
+    Hunyuan-V1-MoE in every 4.x release that has them (17 methods in 4.57.6);
+    remote-code blocks of the same shapes in any version.  transformers 5.x
+    fuses the experts of its blocks into 3-D parameters (every rank then has
+    a gradient for the same parameters); 5.0.0's Switch Transformers, NLLB-MoE
+    and AFMoE still skip, over experts this patch does not read (a
+    ``ModuleDict``, not a ``ModuleList``).  DeepSpeed's leaf modules are read
+    by ZeRO-3 only and do not help here.  Not affected: ZeRO-0, bf16
+    included (DeepSpeed zero-fills missing gradients, or keeps a flat
+    gradient buffer); ZeRO-1 with bf16 and ``grad_accum_dtype: fp32``
+    (``BF16_Optimizer``, a flat buffer too: the patch acts there all the same,
+    which costs time only).
 
 Flag
     ``ZEROSHIM_ZERO_MOE_SKIPPED_EXPERTS=auto|on|off`` (default ``auto``).
@@ -45,17 +50,30 @@ Fix
     ``DeepSpeedEngine._configure_distributed_model`` is wrapped: for a ZeRO-1
     or -2 engine on several ranks, each module of the model that holds its
     experts as an ``nn.ModuleList`` (2+) is read.  Each of its methods (its
-    class's and its bases', up to ``nn.Module``) whose source loops over
-    ``self.experts`` and skips an expert without tokens, in one of three forms,
-    gets a copy without the skip, compiled from the installed source (the
-    model's own code, nothing re-typed; its line numbers, for tracebacks):
+    class's and its bases', up to ``nn.Module``) with a loop over the experts
+    (iterating ``self.experts``, or indexing it with the loop variable) that
+    skips an expert without tokens gets a copy without the skip, compiled
+    from the installed source where it stands (the model's own code, nothing
+    re-typed; its file, lines and class, for tracebacks and private names):
 
-    * ``expert_hit = <mask>.nonzero()`` iterated by ``for``: the loop goes over
-      ``torch.ones_like(<mask>).nonzero()``, every expert in index order;
-    * ``if <x>.shape[0] == 0: continue`` (or ``.numel()``, ``.size(0)``,
-      ``len(<x>)``, a name) at the top of such a loop: removed;
-    * ``if <x>.numel() > 0:`` (or ``.shape[0]``, ``!= 0``) without ``else``
+    * ``expert_hit = <mask>.nonzero()`` (or ``torch.nonzero(<mask>)``)
+      iterated by the loop: it goes over ``torch.ones_like(<mask>).nonzero()``,
+      every expert in index order;
+    * ``if <n> == 0: continue`` or ``if not <n>: continue`` at the top of the
+      loop, ``<n>`` a size (``x.shape[0]``, ``x.numel()``, ``x.size(0)``,
+      ``len(x)``) or a token count (the element of ``enumerate(<counts>)``, a
+      name assigned a size): removed;
+    * ``if <n> > 0:`` (or ``!= 0``, or ``<n>`` alone) without ``else``
       around the loop's body: the body runs unconditionally.
+
+    A loop over experts that still holds a ``continue``, a test of a size or
+    count, or goes over a selection in another form (``.tolist()``,
+    ``unique``, ...) after that is not rewritten at all, and neither is any
+    method of the class: a partial rewrite would say every expert runs where
+    some do not.  Nor is a method that is decorated, has a closure (or calls
+    ``super()`` without arguments), or whose source cannot be read.  A block
+    known as per-expert MoE (by name or structure, as ``zero3_moe_leaf``)
+    left as it is for such a reason is named at WARNING.
 
     Every expert then runs on its own token slice, empty where no token was
     routed: the same outputs (an empty slice adds nothing), no extra
@@ -66,27 +84,30 @@ Fix
     wrapped and runs the copy for the modules of such engines only, where
     grad is enabled (evaluation and generation keep the skip: no gradient
     is reduced there); other instances (an evaluation copy, a reference
-    model) are left alone.  A
-    method that is decorated, has a closure, or whose source cannot be read
-    is not rewritten (a block known as per-expert MoE that is not rewritten
-    for that reason is named at WARNING).  Said once per job at WARNING:
-    which block classes run every expert.
+    model) are left alone.
+    Ranks agree: before marking, every rank posts what it read (the blocks,
+    their methods, or why not) in the process group's store (no collective);
+    where ranks read differently (another transformers or model code, or a
+    source one node cannot read), every rank stops before its engine is
+    built, naming the blocks and the ranks (``RanksDisagree``), since
+    marking on some ranks only would reduce other gradients on each.
+    Said once per job at WARNING: which block classes run every expert.
     Cost: the dispatch per block call, and per un-hit expert a few empty
     kernels and a zero gradient (which ZeRO-1/2 then reduce, as they do for
     every parameter in its partition anyway): about 170 us forward and
     backward per un-hit expert on one CPU thread (benchmarks/RESULTS.md,
-    section 45), nothing where every expert gets tokens.  Where every rank reaches every
-    expert nothing changes; where an expert is un-hit on every rank the
-    numbers are unchanged (ZeRO-1/2 step a missing gradient as zeros), checked
-    bit for bit in the test.
+    section 45), nothing where every expert gets tokens.  Where an expert
+    is un-hit on every rank the numbers are unchanged (ZeRO-1/2 step a
+    missing gradient as zeros), checked bit for bit in the test.
 
 Undo
     ``zeroshim.unpatch("zero_moe_skipped_experts")`` restores the engine method
-    and every block method it wrapped.
+    and every block method it wrapped (no module runs the copy after that).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -103,15 +124,20 @@ stats = {"blocks": 0, "forms": {form: 0 for form in FORMS}, "unreadable": 0}
 
 _lock = threading.Lock()
 _patcher: list = []  # the Patcher of deepspeed.runtime.engine, once patched: block methods are wrapped at engine time
-#: (class, method name) -> the method without the skip, or None (read: nothing to rewrite, or not rewritable)
+#: (class, method name) -> what reading it found: ``(copy or None, forms or why not)``
+_reads: dict = {}
+#: (class, method name) -> the method without the skip, for the methods wrapped
 _rewritten: dict = {}
-#: why a (class, method) could not be rewritten, for the WARNING
-_unreadable: dict = {}
+_seq = [0]  # this process's engines that exchanged what they read (the keys of each exchange)
 #: the modules whose methods run without the skip (modules of ZeRO-1/2 engines on several ranks)
 _marked: "weakref.WeakSet" = weakref.WeakSet()
 
 
 # -- reading a block's source -------------------------------------------------------------------------------------
+#: attribute calls and functions whose result, iterated or tested, selects experts in a form not rewritten (a
+#: loop over experts that still goes through one of them is refused)
+SELECTING = frozenset(("nonzero", "unique", "tolist", "where", "argwhere", "item"))
+
 
 def _is_self_experts(node) -> bool:
     import ast
@@ -120,24 +146,66 @@ def _is_self_experts(node) -> bool:
             and node.value.id == "self")
 
 
-def _expert_loop(loop) -> bool:
-    """A ``for`` over the experts: its iterable or its body names ``self.experts``."""
+def _names(node) -> set:
     import ast
 
-    return any(_is_self_experts(node) for node in ast.walk(loop))
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def _emptiness(node) -> bool:
-    """``x.shape[0]``, ``x.size(0)``, ``x.numel()``, ``len(x)`` or a bare name: what the skips compare with 0."""
+def _own(loop):
+    """The nodes of ``loop``'s body, not descending into nested loops or functions (their own bodies)."""
+    import ast
+
+    stack = list(loop.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.For, ast.While, ast.AsyncFor, ast.FunctionDef, ast.AsyncFunctionDef,
+                                 ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _expert_loop(loop) -> bool:
+    """A ``for`` over the experts: its iterable names ``self.experts`` (``enumerate(self.experts)``), or its body
+    indexes ``self.experts`` with a loop variable (``self.experts[expert_idx]``).  A loop around such a loop (over
+    chunks, layers) is not one."""
+    import ast
+
+    if any(_is_self_experts(node) for node in ast.walk(loop.iter)):
+        return True
+    targets = _names(loop.target)
+    return any(isinstance(node, ast.Subscript) and _is_self_experts(node.value) and _names(node.slice) & targets
+               for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])))
+
+
+def _counts(loop) -> set:
+    """Names that hold an expert's token count in ``loop``: the element of ``enumerate(<counts>)`` (not of the
+    experts themselves), and names assigned from a size (``n = rows.shape[0]``) at the top of the body."""
+    import ast
+
+    found = set()
+    iterable, target = loop.iter, loop.target
+    if isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name) and iterable.func.id == "enumerate" \
+            and isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name) \
+            and iterable.args and not _is_self_experts(iterable.args[0]):
+        found.add(target.elts[1].id)
+    for statement in loop.body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1 \
+                and isinstance(statement.targets[0], ast.Name) and _size(statement.value, set()):
+            found.add(statement.targets[0].id)
+    return found
+
+
+def _size(node, counts: set) -> bool:
+    """``x.shape[0]``, ``x.size(0)``, ``x.numel()``, ``len(x)``, or a name of ``counts``: what the skips test."""
     import ast
 
     if isinstance(node, ast.Name):
-        return True
+        return node.id in counts
     if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
-        index = node.slice
-        return isinstance(index, ast.Constant) and index.value == 0
+        return isinstance(node.slice, ast.Constant) and node.slice.value == 0
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr == "numel" and not node.args:
+        if node.func.attr == "numel" and not node.args and not node.keywords:
             return True
         if node.func.attr == "size" and len(node.args) == 1 and isinstance(node.args[0], ast.Constant):
             return node.args[0].value == 0
@@ -145,59 +213,131 @@ def _emptiness(node) -> bool:
             and len(node.args) == 1)
 
 
-def _compared_with_zero(test, ops) -> bool:
+def _zero(node) -> bool:
     import ast
 
-    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ops)
-            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0
-            and not isinstance(test.comparators[0].value, bool) and _emptiness(test.left))
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 0
 
 
-def _unskip(function_node) -> "list[str]":
-    """Remove the skips of empty experts from ``function_node`` (an ``ast.FunctionDef``) in place; the forms
-    removed."""
+def _empty_test(test, counts: set) -> bool:
+    """``<size> == 0`` or ``not <size>``: true where the expert got no token."""
+    import ast
+
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _size(test.operand, counts)
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+            and _zero(test.comparators[0]) and _size(test.left, counts))
+
+
+def _nonempty_test(test, counts: set) -> bool:
+    """``<size> > 0``, ``<size> != 0`` or ``<size>`` alone: true where the expert got tokens."""
+    import ast
+
+    if _size(test, counts):
+        return True
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq))
+            and _zero(test.comparators[0]) and _size(test.left, counts))
+
+
+def _nonzero_call(node):
+    """The mask of ``<mask>.nonzero()`` / ``<mask>.nonzero(as_tuple=False)`` / ``torch.nonzero(<mask>)``, else
+    None."""
+    import ast
+
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or node.func.attr != "nonzero":
+        return None
+    keywords = [k for k in node.keywords if not (k.arg == "as_tuple" and isinstance(k.value, ast.Constant)
+                                                 and k.value.value is False)]
+    if keywords:
+        return None
+    if isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+        return node.args[0] if len(node.args) == 1 else None
+    return node.func.value if not node.args else None
+
+
+def _every(mask):
+    """``torch.ones_like(<mask>)``: every position of the mask, that is every expert."""
+    import ast
+
+    return ast.Call(func=ast.Attribute(value=ast.Name(id="torch", ctx=ast.Load()), attr="ones_like", ctx=ast.Load()),
+                    args=[mask], keywords=[])
+
+
+def _unskip(function_node) -> "tuple[list, str]":
+    """Remove the skips of empty experts from ``function_node`` (an ``ast.FunctionDef``) in place: ``(the forms
+    removed, "")``, or ``([], why)`` where a loop over experts keeps a selection or a skip in a form not rewritten
+    (then nothing of it may be used)."""
     import ast
 
     forms = []
-    nonzero = {}  # name -> the Assign whose value is `<mask>.nonzero()`
+    assigned: dict = {}  # name -> its assignments
     for node in ast.walk(function_node):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            value = node.value
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
-                    and value.func.attr == "nonzero" and not value.args and not value.keywords:
-                # a name assigned twice is not rewritten (which assignment the loop reads is not known)
-                nonzero[node.targets[0].id] = None if node.targets[0].id in nonzero else node
-    for loop in [n for n in ast.walk(function_node) if isinstance(n, ast.For)]:
-        if not _expert_loop(loop):
-            continue
-        if isinstance(loop.iter, ast.Name) and nonzero.get(loop.iter.id) is not None:
-            call = nonzero.pop(loop.iter.id).value  # each assignment rewritten once
-            call.func.value = ast.Call(func=ast.Attribute(value=ast.Name(id="torch", ctx=ast.Load()),
-                                                          attr="ones_like", ctx=ast.Load()),
-                                       args=[call.func.value], keywords=[])
-            forms.append("expert_hit")
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in _names(target):
+                    assigned.setdefault(name, []).append(node)
+    loops = [n for n in ast.walk(function_node) if isinstance(n, ast.For) and _expert_loop(n)]
+    for loop in loops:
+        rewritten = False
+        if isinstance(loop.iter, ast.Name) and len(assigned.get(loop.iter.id, ())) == 1:
+            assignment = assigned[loop.iter.id][0]
+            mask = _nonzero_call(assignment.value)
+            if mask is not None and len(assignment.targets) == 1 and isinstance(assignment.targets[0], ast.Name) \
+                    and not any(_is_self_experts(node) for node in ast.walk(loop.iter)):
+                call = assignment.value
+                if call.args and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch":
+                    call.args[0] = _every(mask)
+                else:
+                    call.func.value = _every(mask)
+                forms.append("expert_hit")
+                rewritten = True
+        counts = _counts(loop)
         body = []
         for statement in loop.body:
             if isinstance(statement, ast.If) and not statement.orelse:
                 if len(statement.body) == 1 and isinstance(statement.body[0], ast.Continue) \
-                        and _compared_with_zero(statement.test, ast.Eq):
+                        and _empty_test(statement.test, counts):
                     forms.append("continue_if_empty")
                     continue
-                if _compared_with_zero(statement.test, (ast.Gt, ast.NotEq)):
+                if _nonempty_test(statement.test, counts):
                     forms.append("if_not_empty")
                     body.extend(statement.body)
                     continue
             body.append(statement)
         loop.body = body
-    return forms
+        # what is left must not select experts: no `continue`, no test of a size, no selection iterated
+        for node in _own(loop):
+            if isinstance(node, ast.Continue):
+                return [], "a `continue` in its loop over experts is not one this patch removes"
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and (_empty_test(node.test, counts)
+                                                                     or _nonempty_test(node.test, counts)):
+                return [], "a test of an expert's token count in a form this patch does not remove"
+        if not rewritten:
+            source = [loop.iter] + [a.value for n in _names(loop.iter) for a in assigned.get(n, ())]
+            if any(isinstance(node, ast.Attribute) and node.attr in SELECTING for s in source for node in ast.walk(s)):
+                return [], "its loop over experts goes over a selection in a form this patch does not rewrite"
+    return forms, ""
 
 
-def rewrite(function) -> "tuple":
+def _strip(function_node) -> None:
+    """No defaults nor annotations in the copy (evaluated where it is compiled, not in the class; the original's
+    defaults are set on the copy afterwards)."""
+    arguments = function_node.args
+    arguments.defaults = []
+    arguments.kw_defaults = [None] * len(arguments.kwonlyargs)
+    for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg,
+                     arguments.kwarg):
+        if argument is not None:
+            argument.annotation = None
+    function_node.returns = None
+
+
+def rewrite(function, owner: str = "") -> "tuple":
     """``(the function without its skips of empty experts, [forms])``; ``(None, [])`` where it has none; ``(None,
-    reason)`` (a string) where it has an expert loop that cannot be read, or a skip that cannot be removed."""
+    reason)`` (a string) where it has a loop over experts that cannot be read, or a skip that cannot be removed.
+    ``owner``: the name of the class that defines it (private names are mangled with it)."""
     import ast
     import inspect
-    import textwrap
 
     inner = inspect.unwrap(function)
     code = getattr(inner, "__code__", None)
@@ -207,48 +347,62 @@ def rewrite(function) -> "tuple":
         lines, first = inspect.getsourcelines(inner)
     except (OSError, TypeError) as exc:
         return None, f"its source cannot be read ({exc})"
+    text = "".join(lines)
+    # parsed where it stands: inside a class of the owner's name (private names mangled as in the original), its
+    # columns and lines those of the file
+    indented = text[:1] in (" ", "\t")
+    prefix = f"class {owner or 'Block'}:\n" if indented else ""
     try:
-        tree = ast.parse(textwrap.dedent("".join(lines)))
+        tree = ast.parse(prefix + text)
     except SyntaxError as exc:
         return None, f"its source does not parse ({exc.msg})"
-    node = tree.body[0] if len(tree.body) == 1 else None
+    body = tree.body[0].body if indented and isinstance(tree.body[0], ast.ClassDef) else tree.body
+    node = body[0] if len(body) == 1 else None
     if not isinstance(node, ast.FunctionDef) or node.name != inner.__name__:
         return None, "its source is not one function definition"
     if not any(_expert_loop(loop) for loop in ast.walk(node) if isinstance(loop, ast.For)):
         return None, []
-    forms = _unskip(node)
+    forms, why = _unskip(node)
+    if why:
+        return None, why
     if not forms:
         return None, []
     # a skip found where the copy could not stand in for the original
     if inner is not function or node.decorator_list:
         return None, "it is decorated"
     if code.co_freevars:
-        return None, "it has a closure"
+        return None, "it has a closure (or calls super() without arguments)"
     if "expert_hit" in forms and not hasattr(function.__globals__.get("torch"), "ones_like"):
         return None, "its module has no `torch`"
-    ast.increment_lineno(ast.fix_missing_locations(tree), first - 1)
+    _strip(node)
+    ast.increment_lineno(ast.fix_missing_locations(tree), first - 1 - prefix.count("\n"))
     namespace: dict = {}
-    exec(compile(tree, code.co_filename, "exec"), function.__globals__, namespace)  # noqa: S102 - its own source
-    new = namespace[node.name]
+    try:
+        exec(compile(tree, code.co_filename, "exec", dont_inherit=True),  # noqa: S102 - the method's own source
+             function.__globals__, namespace)
+        new = vars(namespace[owner or "Block"])[node.name] if prefix else namespace[node.name]
+    except Exception as exc:  # the copy cannot be built where it stands: the original stays
+        return None, f"its copy could not be compiled ({type(exc).__name__}: {exc})"
     new.__qualname__, new.__module__, new.__doc__ = function.__qualname__, function.__module__, function.__doc__
     new.__defaults__, new.__kwdefaults__ = function.__defaults__, function.__kwdefaults__
     return new, forms
 
 
 def _methods(cls) -> "list":
-    """``(defining class, name, function)`` for the functions of ``cls`` and its bases up to ``nn.Module``."""
+    """``(defining class, name, function)`` for every function defined on ``cls`` and its bases up to
+    ``nn.Module`` (a base's method reached through ``super()`` included)."""
     import torch
 
-    seen, found = set(), []
+    found = []
     for klass in cls.__mro__:
         if klass is torch.nn.Module or klass is object:
             break
         for name, value in vars(klass).items():
-            if name in seen:
+            if name.startswith("__") and name.endswith("__"):
                 continue
-            seen.add(name)
-            original = getattr(value, "__wrapped__", value) if _is_ours(value) else value
-            if type(original).__name__ == "function" and not name.startswith("__"):
+            original = value.__wrapped__ if _is_ours(value) else value
+            if type(original).__name__ == "function" or (callable(original) and hasattr(original, "__wrapped__")
+                                                         and not isinstance(original, type)):
                 found.append((klass, name, original))
     return found
 
@@ -281,62 +435,87 @@ def _dispatcher(key):
     return dispatch
 
 
-def _prepare(cls) -> "tuple":
-    """Rewrite (once per class) the methods of ``cls`` that skip empty experts and wrap them.  ``(forms,
-    reasons)``: the forms found in its methods, and why some expert loops could not be read."""
-    forms, reasons = [], []
+def _read(klass, name, function) -> tuple:
+    """``rewrite`` once per (class, method): ``(copy or None, forms or why)``."""
+    key = (klass, name)
+    if key not in _reads:
+        _reads[key] = rewrite(function, klass.__name__)
+    return _reads[key]
+
+
+def _prepare(cls) -> "tuple[list, list]":
+    """The methods of ``cls`` (and its bases) that skip empty experts, rewritten and wrapped: ``(methods,
+    [])``; or ``([], reasons)`` where some loop over experts could not be read or rewritten: then none is used
+    (a partial rewrite would leave some experts without a gradient while saying they run)."""
+    found, reasons = [], []
     for klass, name, function in _methods(cls):
+        new, forms = _read(klass, name, function)
+        if isinstance(forms, str):
+            reasons.append(f"{klass.__qualname__}.{name}: {forms}")
+        elif new is not None:
+            found.append((klass, name, new, forms))
+    if reasons:
+        return [], reasons
+    for klass, name, new, forms in found:
         key = (klass, name)
         if key not in _rewritten:
-            new, found = rewrite(function)
+            _patcher[0].wrap(klass, name, _dispatcher(key))
             _rewritten[key] = new
-            if isinstance(found, str):
-                _unreadable[key] = found
-            elif new is not None:
-                _patcher[0].wrap(klass, name, _dispatcher(key))
-                for form in found:
-                    stats["forms"][form] += 1
-        if _rewritten[key] is not None:
-            forms.append(name)
-        elif key in _unreadable:
-            reasons.append(f"{klass.__name__}.{name}: {_unreadable[key]}")
-    return forms, reasons
+            for form in forms:
+                stats["forms"][form] += 1
+    return [f"{klass.__qualname__}.{name}" for klass, name, _, _ in found], []
 
 
 def _configure(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngine._configure_distributed_model(model)``."""
+    marked = []
     with guard(NAME):
         model = args[0] if args else kwargs.get("model")
         if is_active(NAME) and model is not None and instance.zero_optimization_stage() in (1, 2) \
                 and _several_ranks():
-            _mark(model)
-    return wrapped(*args, **kwargs)
+            marked = _mark(model)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:
+        for module in marked:  # no engine: nothing of this one stays changed
+            _marked.discard(module)
+        raise
 
 
 def _several_ranks() -> bool:
-    import torch.distributed as dist
+    from zeroshim import _dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _dist.group() is not None
 
 
-def _mark(model) -> None:
+def _mark(model) -> list:
+    """Mark the per-expert MoE blocks of ``model`` whose methods skip empty experts (once every rank found the
+    same); the modules marked."""
     from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _routed_experts
 
-    blocks, classes, unreadable = [], set(), {}
     with _lock:
+        blocks, classes, unreadable, findings = [], {}, {}, {}
         for module in model.modules():
             if not _per_expert(module):
                 continue
-            found, reasons = _prepare(type(module))
-            if found:
+            cls = type(module)
+            label = f"{cls.__module__}.{cls.__qualname__}"
+            if label not in findings:
+                methods, reasons = _prepare(cls)
+                findings[label] = methods or reasons
+                if methods:
+                    classes[cls.__name__] = methods
+                elif reasons and (cls.__name__ in MOE_BLOCKS or _routed_experts(module)):
+                    unreadable[cls.__name__] = reasons
+            if cls.__name__ in classes:
                 blocks.append(module)
-                classes.add(type(module).__name__)
-            elif reasons and (type(module).__name__ in MOE_BLOCKS or _routed_experts(module)):
-                unreadable[type(module).__name__] = reasons
+        if not findings:
+            return []
+        _agree_on(findings)
         for module in blocks:
             _marked.add(module)
-    stats["blocks"] += len(blocks)
-    stats["unreadable"] += len(unreadable)
+        stats["blocks"] += len(blocks)
+        stats["unreadable"] += len(unreadable)
     if blocks:
         _log.acted(NAME, "runs every expert of %d MoE block(s) (%s) under ZeRO stage 1/2, each on its own token "
                          "slice, empty where no token was routed (the same outputs)", "a block that skips experts "
@@ -344,10 +523,65 @@ def _mark(model) -> None:
                    "that differ between ranks (an abort, a hang, or one expert's gradient summed with another's, "
                    "silently)", len(blocks), ", ".join(sorted(classes)))
     for name, reasons in sorted(unreadable.items()):
-        _log.warning("zeroshim[%s]: could not read whether MoE block %s skips experts without tokens (%s); if it "
-                     "does, ZeRO stage 1/2 on several ranks reduce mismatched gradients when ranks route to "
-                     "different experts (a hang or silently wrong gradients)", NAME, name, "; ".join(reasons),
+        _log.warning("zeroshim[%s]: could not make MoE block %s run every expert (%s); if it skips experts "
+                     "without tokens, ZeRO stage 1/2 on several ranks reduce mismatched gradients when ranks route "
+                     "to different experts (a hang or silently wrong gradients)", NAME, name, "; ".join(reasons),
                      scope=_log.RANK0, once=(NAME, "unreadable", name))
+    return blocks
+
+
+def _agree_on(findings: dict) -> None:
+    """Every rank read the same blocks the same way, or the run stops here on every rank naming the ranks (a
+    node with another transformers or model code, or one that cannot read the source): marking on some ranks
+    only would reduce other gradients on each.  Through the process group's store (no collective), once per
+    engine; ``ZEROSHIM_AGREE_TIMEOUT`` bounds the wait (0: no check)."""
+    import datetime
+    import json
+    import zlib
+
+    from zeroshim import _agree, _dist
+
+    group, limit = _dist.group(), _agree.timeout_s()
+    if group is None or limit == 0:
+        return
+    dist, world, rank = group
+    try:
+        store = _dist.default_store(dist)
+    except Exception:  # no store: the ranks-agree check said so at WARNING
+        return
+    text = json.dumps(findings, sort_keys=True)
+    key = f"zeroshim/{NAME}/{_seq[0]}"
+    _seq[0] += 1
+    digest = f"{zlib.crc32(text.encode()):08x}"
+    store.set(f"{key}/rank{rank}", text)
+    store.add(f"{key}/digest/{digest}", 1)
+    if store.add(f"{key}/count", 1) >= world:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=limit))
+    except Exception:
+        missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
+        message = (f"zeroshim[{NAME}]: rank(s) {', '.join(map(str, missing))} did not say within {limit:g} s which "
+                   "MoE blocks they read (no per-expert MoE block there: another transformers or model code on "
+                   f"that node?); marking them on some ranks only would reduce other gradients on each. Install "
+                   f"the same on every node, or set {PATCH.flag}=off on every rank")
+        _log.emit(logging.ERROR, _log.EVERY, "%s", message)
+        raise _agree.RanksDisagree(message) from None
+    if store.add(f"{key}/digest/{digest}", 0) == world:
+        return
+    groups: dict = {}  # what was read -> the ranks that read it (the same text on every rank)
+    for r in range(world):
+        groups.setdefault(store.get(f"{key}/rank{r}").decode(), []).append(r)
+    (first, ranks_a), (second, ranks_b) = list(groups.items())[:2]
+    a, b = json.loads(first), json.loads(second)
+    differ = "; ".join(f"{label.rpartition('.')[2]}: rank(s) {', '.join(map(str, ranks_a))} read "
+                       f"{a.get(label, 'no such block')}, rank(s) {', '.join(map(str, ranks_b))} "
+                       f"{b.get(label, 'no such block')}" for label in sorted(set(a) | set(b)) if a.get(label) != b.get(label))
+    message = (f"zeroshim[{NAME}]: the ranks read the MoE blocks differently ({differ}): another transformers, "
+               "model code or an unreadable source on some node; marking them on some ranks only would reduce other "
+               f"gradients on each. Install the same on every node, or set {PATCH.flag}=off on every rank")
+    _log.emit(logging.ERROR, _log.EVERY, "%s", message)
+    raise _agree.RanksDisagree(message)
 
 
 def patch_engine(module, patcher: Patcher) -> None:
@@ -361,8 +595,8 @@ def _reset() -> None:
     """After undo: the block methods are restored with the engine's (they were wrapped by its patcher)."""
     with _lock:
         _patcher.clear()
+        _reads.clear()
         _rewritten.clear()
-        _unreadable.clear()
         _marked.clear()
 
 

@@ -3,8 +3,8 @@ rank routing its tokens to its own expert.
 
 The model sums, after an identity projection, the outputs of every MoE block the installed transformers has of the
 three forms the patch rewrites (each built from its own config class, 4 experts, top-1): ``Qwen3MoeSparseMoeBlock``
-(``expert_hit``), ``JambaSparseMoeBlock`` (``continue`` on an empty slice) and ``DeepseekV3MoE`` (``if ...numel() >
-0``), and of one block written here as remote code writes it (``RemoteMoe``, the ``expert_hit`` loop; the bug on
+(``expert_hit``), ``JambaSparseMoeBlock`` (``continue`` on an empty slice), ``DeepseekV3MoE`` (``if ...numel() >
+0``) and ``DeepseekV2MoE`` (``continue`` where a token count is 0), and of one block written here as remote code writes it (``RemoteMoe``, the ``expert_hit`` loop; the bug on
 every transformers, 5.x included, whose own blocks fuse their experts).  The routers are frozen and set so that
 expert ``e`` takes the tokens whose input dimension ``e`` is largest: rank 0's tokens go to expert 0, rank 1's to
 expert 1, experts 2 and 3 get none on either rank.  fp32, client SGD, 3 steps.
@@ -17,7 +17,11 @@ Runs, in one process per rank:
   gradient at the offsets where the other rank has expert 1's: summed, silently;
 * ``with/zero1``, ``with/zero2``: the same with zeroshim;
 * ``same/without``, ``same/with``: ZeRO-2, both ranks routing to expert 0 (no rank disagrees; experts 1-3 un-hit
-  everywhere): nothing to fix, the two must be equal bit for bit.
+  everywhere): nothing to fix, the two must be equal bit for bit;
+* ``with/zero0``: ZeRO-0 with zeroshim: nothing marked, the reference's numbers.
+
+``--split``: only a ZeRO-2 run with zeroshim where rank 1 cannot read one block's source: every rank must stop
+before training, naming the ranks that read the blocks differently.
 
 Each run records its losses and a digest of the parameters, the blocks built (and why a block the installed
 transformers lacks was not), and, with zeroshim, the blocks it runs without the skip (``marked``).  Without zeroshim,
@@ -32,8 +36,8 @@ import sys
 import torch
 import torch.nn as nn
 
-from common import (attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest,
-                    write_results)
+from common import (attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, init_distributed,
+                    param_digest, write_results)
 
 deepspeed = import_deepspeed()
 NAME = "zero_moe_skipped_experts"
@@ -79,7 +83,14 @@ def _transformers_blocks() -> dict:
                                               n_routed_experts=EXPERTS, num_experts_per_tok=1, n_group=1,
                                               topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0))
 
-    return {"Qwen3MoeSparseMoeBlock": qwen3, "JambaSparseMoeBlock": jamba, "DeepseekV3MoE": deepseek_v3}
+    def deepseek_v2():
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Config, DeepseekV2MoE
+        return DeepseekV2MoE(DeepseekV2Config(hidden_size=WIDTH, moe_intermediate_size=WIDTH,
+                                              n_routed_experts=EXPERTS, num_experts_per_tok=1, n_group=1,
+                                              topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0))
+
+    return {"Qwen3MoeSparseMoeBlock": qwen3, "JambaSparseMoeBlock": jamba, "DeepseekV3MoE": deepseek_v3,
+            "DeepseekV2MoE": deepseek_v2}
 
 
 def _force_routing(block) -> None:
@@ -162,7 +173,30 @@ def train(stage: int, route: str, reduce_scatter: bool = True) -> dict:
     return {"losses": losses, "blocks": built, "marked": marked, **param_digest(engine)}
 
 
+def split() -> None:
+    """``--split``: with zeroshim, rank 1 cannot read ``RemoteMoe.forward``'s source (as a node whose install
+    ships no source, or other model code): the ranks read the blocks differently, and every rank must stop
+    before its engine is built, naming the ranks."""
+    import inspect
+
+    out = sys.argv[sys.argv.index("--out") + 1]
+    init_distributed()
+    enable_zeroshim()
+    if torch.distributed.get_rank() == 1:
+        read = inspect.getsourcelines
+
+        def unreadable(obj):
+            if getattr(obj, "__qualname__", "") == "RemoteMoe.forward":
+                raise OSError("could not get source code")
+            return read(obj)
+        inspect.getsourcelines = unreadable
+    results = {"split": attempt(train, 2, "own")}
+    end(out, results)
+
+
 def main():
+    if "--split" in sys.argv:
+        return split()
     out, results = begin()
     results["reference"] = attempt(train, 0, "own")
     results["same/without"] = attempt(train, 2, "same")
@@ -171,6 +205,7 @@ def main():
     zeroshim = enable_zeroshim()
     results["status"] = zeroshim.status()[NAME].as_dict()
     results["same/with"] = attempt(train, 2, "same")
+    results["with/zero0"] = attempt(train, 0, "own")  # ZeRO-0 zero-fills missing gradients itself: nothing marked
     for stage in (1, 2):
         results[f"with/zero{stage}"] = attempt(train, stage, "own", reduce_scatter=False)
         # DeepSpeed's default: without zeroshim the ranks' reductions differ in size here (gloo aborts the process)
