@@ -20,6 +20,9 @@ Runs, in one process per rank:
   everywhere): nothing to fix, the two must be equal bit for bit;
 * ``with/zero0``: ZeRO-0 with zeroshim: nothing marked, the reference's numbers.
 
+``natural/reference``, ``natural/with``: transformers' own Qwen3-MoE causal LM routing on its own, ZeRO-0 without
+zeroshim and ZeRO-2 with it (where transformers has it, 4.51+).
+
 ``--split``: only a ZeRO-2 run with zeroshim where rank 1 cannot read one block's source: every rank must stop
 before training, naming the ranks that read the blocks differently.
 
@@ -166,11 +169,39 @@ def train(stage: int, route: str, reduce_scatter: bool = True) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    marked = []
-    if "zeroshim" in sys.modules:  # the blocks whose methods run without the skip
-        from zeroshim.patches.zero_moe_skipped_experts import _marked
-        marked = sorted(type(m).__name__ for m in net.modules() if m in _marked)
-    return {"losses": losses, "blocks": built, "marked": marked, **param_digest(engine)}
+    return {"losses": losses, "blocks": built, "marked": _marked_in(net), **param_digest(engine)}
+
+
+def _marked_in(model) -> list:
+    """With zeroshim: the class names of the blocks whose methods run without the skip."""
+    if "zeroshim" not in sys.modules:
+        return []
+    from zeroshim.patches.zero_moe_skipped_experts import _marked
+    return sorted(type(m).__name__ for m in model.modules() if m in _marked)
+
+
+def natural(stage: int) -> dict:
+    """transformers' own tiny Qwen3-MoE causal LM (2 layers, 8 experts, top-2), routing left to its router: 3 tokens a
+    rank leave experts un-hit, on each rank others.  Without zeroshim ZeRO-1/2 abort here (gloo: "26304 vs 23232
+    ... collective mismatch", benchmarks/RESULTS.md section 45), so the scenario runs it with zeroshim only."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+        max_position_embeddings=64))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                                      config=ds_config(stage, micro_batch=1, bf16=False))
+    gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (1, 3), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "marked": _marked_in(model), **param_digest(engine)}
 
 
 def split() -> None:
@@ -199,6 +230,7 @@ def main():
         return split()
     out, results = begin()
     results["reference"] = attempt(train, 0, "own")
+    results["natural/reference"] = attempt(natural, 0)
     results["same/without"] = attempt(train, 2, "same")
     for stage in (1, 2):  # the reductions' sizes match: silently wrong
         results[f"without/zero{stage}"] = attempt(train, stage, "own", reduce_scatter=False)
@@ -206,6 +238,7 @@ def main():
     results["status"] = zeroshim.status()[NAME].as_dict()
     results["same/with"] = attempt(train, 2, "same")
     results["with/zero0"] = attempt(train, 0, "own")  # ZeRO-0 zero-fills missing gradients itself: nothing marked
+    results["natural/with"] = attempt(natural, 2)
     for stage in (1, 2):
         results[f"with/zero{stage}"] = attempt(train, stage, "own", reduce_scatter=False)
         # DeepSpeed's default: without zeroshim the ranks' reductions differ in size here (gloo aborts the process)
