@@ -34,9 +34,11 @@ Affected versions
     Hunyuan-V1-MoE in every 4.x release that has them (17 methods in 4.57.6);
     remote-code blocks of the same shapes in any version.  transformers 5.x
     fuses the experts of its blocks into 3-D parameters (every rank then has
-    a gradient for the same parameters); 5.0.0's Switch Transformers, NLLB-MoE
-    and AFMoE still skip, over experts this patch does not read (a
-    ``ModuleDict``, not a ``ModuleList``).  DeepSpeed's leaf modules are read
+    a gradient for the same parameters); in 5.0.0 three still skip, in forms
+    this patch does not read and without a warning: Switch Transformers and
+    NLLB-MoE (their experts a ``ModuleDict``), AFMoE (a ``ModuleList``
+    subclass that loops over ``unique_consecutive(...).tolist()`` in its own
+    ``forward``, indexing ``self``).  DeepSpeed's leaf modules are read
     by ZeRO-3 only and do not help here.  Not affected: ZeRO-0, bf16
     included (DeepSpeed zero-fills missing gradients, or keeps a flat
     gradient buffer); ZeRO-1 with bf16 and ``grad_accum_dtype: fp32``
