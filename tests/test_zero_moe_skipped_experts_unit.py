@@ -140,7 +140,36 @@ class Block(torch.nn.Module):
                     out.index_add_(0, rows, expert(x[rows]))
         return out
 
+    def attribute_size(self, x, route):  # a size of a module attribute is not an expert's token count
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            if self.experts[i].weight.numel() > 0:
+                out = out + expert(x)
+        return out
+
+    helper = lambda self, x: x  # noqa: E731 - not one definition, and no experts: not read
+
+    def counts_tolist(self, x, route):  # counts from .tolist(), every expert's, the skip removed: every expert
+        out = torch.zeros_like(x)
+        for i, n in enumerate(torch.bincount(route, minlength=len(self.experts)).tolist()):
+            if n == 0:
+                continue
+            self.calls.append(i)
+            rows = (route == i).nonzero().flatten()
+            out.index_add_(0, rows, self.experts[i](x[rows]))
+        return out
+
     # a skip in a form not removed: refused whole (no partial rewrite)
+    def hit_used_twice(self, x, route):  # the selection read elsewhere too: rewriting it would change that
+        out = torch.zeros_like(x)
+        expert_mask = torch.nn.functional.one_hot(route, num_classes=len(self.experts)).permute(1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=-1), 0).nonzero()
+        self.hit = len(expert_hit)
+        for expert_idx in expert_hit:
+            rows = torch.where(expert_mask[expert_idx].squeeze(0))[0]
+            out.index_add_(0, rows, self.experts[expert_idx](x[rows]))
+        return out
+
     def nested(self, x, route):
         out = torch.zeros_like(x)
         expert_mask = torch.nn.functional.one_hot(route, num_classes=len(self.experts)).permute(1, 0)
@@ -165,14 +194,15 @@ class Block(torch.nn.Module):
     @functools.lru_cache(maxsize=None)  # noqa: B019 - a decorated method with a skip
     def decorated(self, x, route):
         for i in range(len(self.experts)):
-            if x.numel() == 0:
+            rows = (route == i).nonzero().flatten()
+            if rows.numel() == 0:
                 continue
-            self.experts[i](x)
+            self.experts[i](x[rows])
 
 
 FORMS = {"expert_hit": "expert_hit", "continue_if_empty": "continue_if_empty", "if_not_empty": "if_not_empty",
          "not_numel": "continue_if_empty", "torch_nonzero": "expert_hit", "count_name": "continue_if_empty",
-         "mangled": "continue_if_empty"}
+         "mangled": "continue_if_empty", "counts_tolist": "continue_if_empty"}
 
 
 @pytest.mark.parametrize("method", sorted(FORMS))
@@ -201,12 +231,13 @@ def test_the_copy_keeps_the_methods_file_and_line_numbers():
     assert new.__qualname__ == Block.continue_if_empty.__qualname__
 
 
-@pytest.mark.parametrize("method", ["not_experts", "__init__", "if_by_index", "per_token", "chunked"])
+@pytest.mark.parametrize("method", ["not_experts", "__init__", "if_by_index", "per_token", "chunked",
+                                    "attribute_size", "helper"])
 def test_no_skip_no_rewrite(method):
     assert rewrite(getattr(Block, method), "Block") == (None, [])
 
 
-@pytest.mark.parametrize("method", ["skip_by_index", "nested", "tolist", "with_else"])
+@pytest.mark.parametrize("method", ["skip_by_index", "nested", "tolist", "with_else", "hit_used_twice"])
 def test_a_selection_in_another_form_is_refused_whole(method):
     """A loop over experts that keeps a `continue`, a test of a token count or a selection this patch does not
     rewrite: nothing of the method is used (a partial rewrite would say every expert runs where some do not)."""
@@ -274,7 +305,7 @@ for block in (marked, other, child):  # every token to expert 1
     with torch.no_grad():
         block.gate.weight.zero_()
         block.gate.weight[1] = 1.0
-patch._mark(torch.nn.ModuleList([marked, unreadable, child]))
+patch._mark(torch.nn.ModuleList([marked, unreadable, child]), [0])
 x = torch.rand(3, 2)
 marked(x), other(x), child(x)
 print("CALLS", marked.calls, other.calls, sorted(map(id, patch._marked)) == sorted(map(id, (marked, child))))
@@ -314,3 +345,48 @@ def test_only_marked_modules_run_every_expert_and_undo_restores_the_class(tmp_pa
     assert said["WRAPPED"] == "True True"
     assert said["RESTORED"] == "True [1]"
     assert "could not make MoE block Unreadable run every expert" in out.stdout + out.stderr
+
+
+def _exchange_on_threads(findings_of: dict, limit: float = 30.0) -> dict:
+    """Every rank of ``findings_of`` (rank -> what it read; None: never posts) runs the exchange on one store, each
+    in a thread: rank -> None (agreed) or the error's message."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from zeroshim.patches import zero_moe_skipped_experts as patch
+
+    store, ranks, out = HashStore(), sorted(findings_of), {}
+
+    def run(rank):
+        try:
+            patch.exchange(store, findings_of[rank], ranks, rank, limit)
+            out[rank] = None
+        except Exception as exc:
+            out[rank] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks if findings_of[r] is not None]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return out
+
+
+def test_ranks_that_read_alike_go_on():
+    read = {"m.Block": ["Block.forward"]}
+    assert _exchange_on_threads({0: read, 1: dict(read), 2: dict(read)}) == {0: None, 1: None, 2: None}
+    assert _exchange_on_threads({0: {}, 1: {}}) == {0: None, 1: None}  # no block anywhere: nothing to say
+
+
+def test_ranks_that_read_differently_stop_naming_the_block_and_the_ranks():
+    out = _exchange_on_threads({0: {"m.Block": ["Block.forward"]}, 1: {"m.Block": ["Block.forward: its source "
+                                                                                   "cannot be read"]}, 2: {}})
+    for rank in (0, 1, 2):
+        assert out[rank].startswith("RanksDisagree: zeroshim[zero_moe_skipped_experts]: the ranks read the MoE "
+                                    "blocks differently (Block: rank(s) 0 read"), out[rank]
+
+
+def test_a_rank_that_never_says_stops_the_others_after_the_timeout_naming_it():
+    out = _exchange_on_threads({0: {"m.Block": ["Block.forward"]}, 1: None}, limit=0.5)
+    assert out == {0: out[0]} and "rank(s) 1 of this engine's data-parallel group did not say within 0.5 s" in out[0]

@@ -49,9 +49,10 @@ Flag
     ``ZEROSHIM_ZERO_MOE_SKIPPED_EXPERTS=auto|on|off`` (default ``auto``).
 
 Fix
-    ``DeepSpeedEngine._configure_distributed_model`` is wrapped: for a ZeRO-1
-    or -2 engine on several ranks, each module of the model that holds its
-    experts as an ``nn.ModuleList`` (2+) is read.  Each of its methods (its
+    ``DeepSpeedEngine._configure_distributed_model`` is wrapped: after it, for
+    a ZeRO-1 or -2 engine whose data-parallel group (the ranks its gradients
+    are reduced over) has several ranks, each module of the model that holds
+    its experts as an ``nn.ModuleList`` (2+) is read.  Each of its methods (its
     class's and its bases', up to ``nn.Module``) with a loop over the experts
     (iterating ``self.experts``, or indexing it with the loop variable) that
     skips an expert without tokens gets a copy without the skip, compiled
@@ -87,12 +88,13 @@ Fix
     grad is enabled (evaluation and generation keep the skip: no gradient
     is reduced there); other instances (an evaluation copy, a reference
     model) are left alone.
-    Ranks agree: before marking, every rank posts what it read (the blocks,
-    their methods, or why not) in the process group's store (no collective);
+    Ranks agree: before marking, every rank of the engine's data-parallel
+    group posts what it read (the blocks, their methods, or why not; also
+    where it found none) in the process group's store (no collective);
     where ranks read differently (another transformers or model code, or a
-    source one node cannot read), every rank stops before its engine is
-    built, naming the blocks and the ranks (``RanksDisagree``), since
-    marking on some ranks only would reduce other gradients on each.
+    source one node cannot read), each stops before its engine is finished,
+    naming the blocks and the ranks (``RanksDisagree``), since marking on
+    some ranks only would reduce other gradients on each.
     Said once per job at WARNING: which block classes run every expert.
     Cost: the dispatch per block call, and per un-hit expert a few empty
     kernels and a zero gradient (which ZeRO-1/2 then reduce, as they do for
@@ -130,7 +132,7 @@ _patcher: list = []  # the Patcher of deepspeed.runtime.engine, once patched: bl
 _reads: dict = {}
 #: (class, method name) -> the method without the skip, for the methods wrapped
 _rewritten: dict = {}
-_seq = [0]  # this process's engines that exchanged what they read (the keys of each exchange)
+_seq: dict = {}  # (reducing group, rank) -> its engines that exchanged what they read so far (each exchange's keys)
 #: the modules whose methods run without the skip (modules of ZeRO-1/2 engines on several ranks)
 _marked: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -191,28 +193,46 @@ def _counts(loop) -> set:
             and isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name) \
             and iterable.args and not _is_self_experts(iterable.args[0]):
         found.add(target.elts[1].id)
+    local = _assigned_in(loop)
     for statement in loop.body:
         if isinstance(statement, ast.Assign) and len(statement.targets) == 1 \
-                and isinstance(statement.targets[0], ast.Name) and _size(statement.value, set()):
+                and isinstance(statement.targets[0], ast.Name) and _size(statement.value, set(), local):
             found.add(statement.targets[0].id)
     return found
 
 
-def _size(node, counts: set) -> bool:
-    """``x.shape[0]``, ``x.size(0)``, ``x.numel()``, ``len(x)``, or a name of ``counts``: what the skips test."""
+def _assigned_in(loop) -> set:
+    """The names ``loop``'s own body assigns (the expert's token indices, its slice): the only ones whose size
+    is taken as the expert's token count (a module attribute's size is not)."""
     import ast
+
+    names = set()
+    for node in _own(loop):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names |= _names(target)
+    return names
+
+
+def _size(node, counts: set, local: set) -> bool:
+    """``x.shape[0]``, ``x.size(0)``, ``x.numel()`` or ``len(x)`` of a name ``x`` the loop assigns (``local``), or a
+    name of ``counts``: what the skips test."""
+    import ast
+
+    def ours(value) -> bool:
+        return isinstance(value, ast.Name) and value.id in local
 
     if isinstance(node, ast.Name):
         return node.id in counts
     if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
-        return isinstance(node.slice, ast.Constant) and node.slice.value == 0
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return ours(node.value.value) and isinstance(node.slice, ast.Constant) and node.slice.value == 0
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ours(node.func.value):
         if node.func.attr == "numel" and not node.args and not node.keywords:
             return True
         if node.func.attr == "size" and len(node.args) == 1 and isinstance(node.args[0], ast.Constant):
             return node.args[0].value == 0
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len"
-            and len(node.args) == 1)
+            and len(node.args) == 1 and ours(node.args[0]))
 
 
 def _zero(node) -> bool:
@@ -221,24 +241,31 @@ def _zero(node) -> bool:
     return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 0
 
 
-def _empty_test(test, counts: set) -> bool:
+def _empty_test(test, counts: set, local: set) -> bool:
     """``<size> == 0`` or ``not <size>``: true where the expert got no token."""
     import ast
 
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return _size(test.operand, counts)
+        return _size(test.operand, counts, local)
     return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
-            and _zero(test.comparators[0]) and _size(test.left, counts))
+            and _zero(test.comparators[0]) and _size(test.left, counts, local))
 
 
-def _nonempty_test(test, counts: set) -> bool:
+def _nonempty_test(test, counts: set, local: set) -> bool:
     """``<size> > 0``, ``<size> != 0`` or ``<size>`` alone: true where the expert got tokens."""
     import ast
 
-    if _size(test, counts):
+    if _size(test, counts, local):
         return True
     return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq))
-            and _zero(test.comparators[0]) and _size(test.left, counts))
+            and _zero(test.comparators[0]) and _size(test.left, counts, local))
+
+
+def _tested(test):
+    """What a skip's test measures (``n`` of ``n == 0`` or ``not n``)."""
+    import ast
+
+    return test.operand if isinstance(test, ast.UnaryOp) else test.left
 
 
 def _nonzero_call(node):
@@ -273,15 +300,20 @@ def _unskip(function_node) -> "tuple[list, str]":
 
     forms = []
     assigned: dict = {}  # name -> its assignments
+    loads: dict = {}  # name -> how often it is read
     for node in ast.walk(function_node):
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 for name in _names(target):
                     assigned.setdefault(name, []).append(node)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            loads[node.id] = loads.get(node.id, 0) + 1
     loops = [n for n in ast.walk(function_node) if isinstance(n, ast.For) and _expert_loop(n)]
     for loop in loops:
         rewritten = False
-        if isinstance(loop.iter, ast.Name) and len(assigned.get(loop.iter.id, ())) == 1:
+        # the selection is read by this loop alone (another use of it would change meaning)
+        if isinstance(loop.iter, ast.Name) and len(assigned.get(loop.iter.id, ())) == 1 \
+                and loads.get(loop.iter.id) == 1:
             assignment = assigned[loop.iter.id][0]
             mask = _nonzero_call(assignment.value)
             if mask is not None and len(assignment.targets) == 1 and isinstance(assignment.targets[0], ast.Name) \
@@ -293,15 +325,16 @@ def _unskip(function_node) -> "tuple[list, str]":
                     call.func.value = _every(mask)
                 forms.append("expert_hit")
                 rewritten = True
-        counts = _counts(loop)
-        body = []
+        counts, local = _counts(loop), _assigned_in(loop)
+        body, counted = [], False
         for statement in loop.body:
             if isinstance(statement, ast.If) and not statement.orelse:
                 if len(statement.body) == 1 and isinstance(statement.body[0], ast.Continue) \
-                        and _empty_test(statement.test, counts):
+                        and _empty_test(statement.test, counts, local):
                     forms.append("continue_if_empty")
+                    counted = counted or isinstance(_tested(statement.test), ast.Name)
                     continue
-                if _nonempty_test(statement.test, counts):
+                if _nonempty_test(statement.test, counts, local):
                     forms.append("if_not_empty")
                     body.extend(statement.body)
                     continue
@@ -311,10 +344,10 @@ def _unskip(function_node) -> "tuple[list, str]":
         for node in _own(loop):
             if isinstance(node, ast.Continue):
                 return [], "a `continue` in its loop over experts is not one this patch removes"
-            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and (_empty_test(node.test, counts)
-                                                                     or _nonempty_test(node.test, counts)):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and (_empty_test(node.test, counts, local)
+                                                                     or _nonempty_test(node.test, counts, local)):
                 return [], "a test of an expert's token count in a form this patch does not remove"
-        if not rewritten:
+        if not rewritten and not counted:  # (a loop over every expert's count, its skip removed: every expert)
             source = [loop.iter] + [a.value for n in _names(loop.iter) for a in assigned.get(n, ())]
             if any(isinstance(node, ast.Attribute) and node.attr in SELECTING for s in source for node in ast.walk(s)):
                 return [], "its loop over experts goes over a selection in a form this patch does not rewrite"
@@ -354,14 +387,17 @@ def rewrite(function, owner: str = "") -> "tuple":
     # columns and lines those of the file
     indented = text[:1] in (" ", "\t")
     prefix = f"class {owner or 'Block'}:\n" if indented else ""
+    # a lambda or a function defined elsewhere and assigned here: its lines are not one definition; only one that
+    # names the experts could hold a loop over them
+    about_experts = "self.experts" in text
     try:
         tree = ast.parse(prefix + text)
     except SyntaxError as exc:
-        return None, f"its source does not parse ({exc.msg})"
+        return (None, f"its source does not parse ({exc.msg})") if about_experts else (None, [])
     body = tree.body[0].body if indented and isinstance(tree.body[0], ast.ClassDef) else tree.body
     node = body[0] if len(body) == 1 else None
     if not isinstance(node, ast.FunctionDef) or node.name != inner.__name__:
-        return None, "its source is not one function definition"
+        return (None, "its source is not one function definition") if about_experts else (None, [])
     if not any(_expert_loop(loop) for loop in ast.walk(node) if isinstance(loop, ast.For)):
         return None, []
     forms, why = _unskip(node)
@@ -387,6 +423,7 @@ def rewrite(function, owner: str = "") -> "tuple":
         return None, f"its copy could not be compiled ({type(exc).__name__}: {exc})"
     new.__qualname__, new.__module__, new.__doc__ = function.__qualname__, function.__module__, function.__doc__
     new.__defaults__, new.__kwdefaults__ = function.__defaults__, function.__kwdefaults__
+    new.__annotations__ = dict(getattr(function, "__annotations__", {}))
     return new, forms
 
 
@@ -438,11 +475,13 @@ def _dispatcher(key):
 
 
 def _read(klass, name, function) -> tuple:
-    """``rewrite`` once per (class, method): ``(copy or None, forms or why)``."""
+    """``rewrite`` once per (class, method, function): ``(copy or None, forms or why)``; read again where another
+    library replaced the method since."""
     key = (klass, name)
-    if key not in _reads:
-        _reads[key] = rewrite(function, klass.__name__)
-    return _reads[key]
+    cached = _reads.get(key)
+    if cached is None or cached[0] is not function:
+        cached = _reads[key] = (function, rewrite(function, klass.__name__))
+    return cached[1]
 
 
 def _prepare(cls) -> "tuple[list, list]":
@@ -460,39 +499,43 @@ def _prepare(cls) -> "tuple[list, list]":
         return [], reasons
     for klass, name, new, forms in found:
         key = (klass, name)
-        if key not in _rewritten:
+        if not _is_ours(vars(klass).get(name)):  # not wrapped yet, or replaced by another library since
             _patcher[0].wrap(klass, name, _dispatcher(key))
-            _rewritten[key] = new
             for form in forms:
                 stats["forms"][form] += 1
+        _rewritten[key] = new
     return [f"{klass.__qualname__}.{name}" for klass, name, _, _ in found], []
 
 
 def _configure(wrapped, instance, args, kwargs):
-    """Wraps ``DeepSpeedEngine._configure_distributed_model(model)``."""
-    marked = []
+    """Wraps ``DeepSpeedEngine._configure_distributed_model(model)``: after it (DeepSpeed sets the engine's
+    data-parallel group there, and every rank of that group has broadcast the model with it), before the
+    optimizer and the first forward."""
+    result = wrapped(*args, **kwargs)
     with guard(NAME):
         model = args[0] if args else kwargs.get("model")
-        if is_active(NAME) and model is not None and instance.zero_optimization_stage() in (1, 2) \
-                and _several_ranks():
-            marked = _mark(model)
-    try:
-        return wrapped(*args, **kwargs)
-    except BaseException:
-        for module in marked:  # no engine: nothing of this one stays changed
-            _marked.discard(module)
-        raise
+        if is_active(NAME) and model is not None and instance.zero_optimization_stage() in (1, 2):
+            ranks = _reducing_ranks(instance)
+            if ranks:
+                _mark(model, ranks)
+    return result
 
 
-def _several_ranks() -> bool:
-    from zeroshim import _dist
+def _reducing_ranks(engine) -> "list | None":
+    """The global ranks ZeRO-1/2 reduce this engine's gradients over (its sequence-data-parallel group, as
+    DeepSpeed passes it to the ZeRO optimizer), where there are several; None otherwise."""
+    import torch.distributed as dist
 
-    return _dist.group() is not None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
+    ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    return ranks if len(ranks) > 1 else None
 
 
-def _mark(model) -> list:
-    """Mark the per-expert MoE blocks of ``model`` whose methods skip empty experts (once every rank found the
-    same); the modules marked."""
+def _mark(model, ranks: list) -> list:
+    """Mark the per-expert MoE blocks of ``model`` whose methods skip empty experts, once every rank of
+    ``ranks`` (the engine's reducing group) read the same; the modules marked."""
     from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _routed_experts
 
     with _lock:
@@ -511,9 +554,8 @@ def _mark(model) -> list:
                     unreadable[cls.__name__] = reasons
             if cls.__name__ in classes:
                 blocks.append(module)
-        if not findings:
-            return []
-        _agree_on(findings)
+    agree(findings, ranks)  # every rank of the group posts, with or without blocks (outside the lock: it waits)
+    with _lock:
         for module in blocks:
             _marked.add(module)
         stats["blocks"] += len(blocks)
@@ -532,47 +574,57 @@ def _mark(model) -> list:
     return blocks
 
 
-def _agree_on(findings: dict) -> None:
-    """Every rank read the same blocks the same way, or the run stops here on every rank naming the ranks (a
-    node with another transformers or model code, or one that cannot read the source): marking on some ranks
-    only would reduce other gradients on each.  Through the process group's store (no collective), once per
-    engine; ``ZEROSHIM_AGREE_TIMEOUT`` bounds the wait (0: no check)."""
-    import datetime
-    import json
-    import zlib
+def agree(findings: dict, ranks: list) -> None:
+    """Every rank of ``ranks`` (one engine's reducing group) read the same blocks the same way, or the run
+    stops here on each of them naming the blocks and the ranks; in the default process group's store (no
+    collective), ``ZEROSHIM_AGREE_TIMEOUT`` bounding the wait (0: no check)."""
+    import torch.distributed as dist
 
     from zeroshim import _agree, _dist
 
-    group, limit = _dist.group(), _agree.timeout_s()
-    if group is None or limit == 0:
+    limit = _agree.timeout_s()
+    if limit == 0:
         return
-    dist, world, rank = group
     try:
         store = _dist.default_store(dist)
     except Exception:  # no store: the ranks-agree check said so at WARNING
         return
+    exchange(store, findings, ranks, dist.get_rank(), limit)
+
+
+def exchange(store, findings: dict, ranks: list, rank: int, limit: float) -> None:
+    """:func:`agree` on a given store, as global rank ``rank`` of ``ranks``.  A constant number of store
+    operations per rank where the ranks agree (a digest counter); every report read only where they do not."""
+    import datetime
+    import json
+    import zlib
+
+    from zeroshim import _agree
+
     text = json.dumps(findings, sort_keys=True)
-    key = f"zeroshim/{NAME}/{_seq[0]}"
-    _seq[0] += 1
+    group = f"{zlib.crc32(repr(sorted(ranks)).encode()):08x}"
+    with _lock:  # this group's engines, in the order every rank of the group builds them
+        seq = _seq[group, rank] = _seq.get((group, rank), -1) + 1
+    key = f"zeroshim/{NAME}/{group}/{seq}"
     digest = f"{zlib.crc32(text.encode()):08x}"
     store.set(f"{key}/rank{rank}", text)
     store.add(f"{key}/digest/{digest}", 1)
-    if store.add(f"{key}/count", 1) >= world:
+    if store.add(f"{key}/count", 1) >= len(ranks):
         store.set(f"{key}/all", "1")
     try:
         store.wait([f"{key}/all"], datetime.timedelta(seconds=limit))
     except Exception:
-        missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
-        message = (f"zeroshim[{NAME}]: rank(s) {', '.join(map(str, missing))} did not say within {limit:g} s which "
-                   "MoE blocks they read (no per-expert MoE block there: another transformers or model code on "
-                   f"that node?); marking them on some ranks only would reduce other gradients on each. Install "
-                   f"the same on every node, or set {PATCH.flag}=off on every rank")
+        missing = [r for r in ranks if not store.check([f"{key}/rank{r}"])]
+        message = (f"zeroshim[{NAME}]: rank(s) {', '.join(map(str, missing))} of this engine's data-parallel group "
+                   f"did not say within {limit:g} s which MoE blocks they read (zeroshim there without this patch, "
+                   "or no engine built there?); marking them on some ranks only would reduce other gradients on "
+                   f"each. Set {PATCH.flag} alike on every rank")
         _log.emit(logging.ERROR, _log.EVERY, "%s", message)
         raise _agree.RanksDisagree(message) from None
-    if store.add(f"{key}/digest/{digest}", 0) == world:
+    if store.add(f"{key}/digest/{digest}", 0) == len(ranks):
         return
     groups: dict = {}  # what was read -> the ranks that read it (the same text on every rank)
-    for r in range(world):
+    for r in ranks:
         groups.setdefault(store.get(f"{key}/rank{r}").decode(), []).append(r)
     (first, ranks_a), (second, ranks_b) = list(groups.items())[:2]
     a, b = json.loads(first), json.loads(second)
