@@ -118,6 +118,7 @@ REQUIREMENTS = {
         ("attr", E, "DeepSpeedEngine._configure_distributed_model"),
         ("module", "deepspeed.utils.z3_leaf_module"),
     ],
+    "zero_moe_skipped_experts": [("attr", E, "DeepSpeedEngine._configure_distributed_model")],
     "offload_worker_fork": [("attr", E, "DeepSpeedEngine"), *ENGINE_TRACKING],
     "epoch_boundary": [
         ("attr", E, "DeepSpeedEngine.empty_partition_cache"), *ENGINE_TRACKING,
