@@ -314,7 +314,8 @@ marked.calls.clear()
 with torch.no_grad():
     marked(x)
 print("NOGRAD", marked.calls)
-print("WRAPPED", vars(blocks.Skipping)["forward"] is not original, zeroshim.is_object_patched(blocks.Skipping, "forward"))
+print("WRAPPED", vars(blocks.Skipping)["forward"] is not original,
+      zeroshim.is_object_patched(blocks.Skipping, "forward"))
 zeroshim.unpatch("zero_moe_skipped_experts")
 marked.calls.clear()
 marked(x)

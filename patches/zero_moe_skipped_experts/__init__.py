@@ -182,9 +182,10 @@ def _expert_loop(loop) -> bool:
                for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])))
 
 
-def _counts(loop) -> set:
+def _counts(loop, local: set) -> set:
     """Names that hold an expert's token count in ``loop``: the element of ``enumerate(<counts>)`` (not of the
-    experts themselves), and names assigned from a size (``n = rows.shape[0]``) at the top of the body."""
+    experts themselves), and names assigned from a size (``n = rows.shape[0]``) at the top of the body.
+    ``local``: the names the loop assigns (:func:`_assigned_in`)."""
     import ast
 
     found = set()
@@ -193,7 +194,6 @@ def _counts(loop) -> set:
             and isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name) \
             and iterable.args and not _is_self_experts(iterable.args[0]):
         found.add(target.elts[1].id)
-    local = _assigned_in(loop)
     for statement in loop.body:
         if isinstance(statement, ast.Assign) and len(statement.targets) == 1 \
                 and isinstance(statement.targets[0], ast.Name) and _size(statement.value, set(), local):
@@ -325,7 +325,8 @@ def _unskip(function_node) -> "tuple[list, str]":
                     call.func.value = _every(mask)
                 forms.append("expert_hit")
                 rewritten = True
-        counts, local = _counts(loop), _assigned_in(loop)
+        local = _assigned_in(loop)
+        counts = _counts(loop, local)
         body, counted = [], False
         for statement in loop.body:
             if isinstance(statement, ast.If) and not statement.orelse:
@@ -452,13 +453,6 @@ def _is_ours(value) -> bool:
     return is_patched_by(value, NAME)
 
 
-def _per_expert(module) -> bool:
-    import torch
-
-    experts = getattr(module, "experts", None)
-    return isinstance(experts, torch.nn.ModuleList) and len(experts) > 1
-
-
 def _dispatcher(key):
     """The wrapper of one block method that skips empty experts: the rewritten copy for the marked modules."""
     import torch
@@ -536,24 +530,23 @@ def _reducing_ranks(engine) -> "list | None":
 def _mark(model, ranks: list) -> list:
     """Mark the per-expert MoE blocks of ``model`` whose methods skip empty experts, once every rank of
     ``ranks`` (the engine's reducing group) read the same; the modules marked."""
-    from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _routed_experts
+    from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _per_expert, _routed_experts
 
     with _lock:
-        blocks, classes, unreadable, findings = [], {}, {}, {}
-        for module in model.modules():
-            if not _per_expert(module):
-                continue
+        # classes whose methods run without the skip; known MoE blocks left as they are (why); label -> what was read
+        rewritten, unreadable, findings = set(), {}, {}
+        modules = [m for m in model.modules() if _per_expert(m)]
+        for module in modules:
             cls = type(module)
             label = f"{cls.__module__}.{cls.__qualname__}"
             if label not in findings:
                 methods, reasons = _prepare(cls)
                 findings[label] = methods or reasons
                 if methods:
-                    classes[cls.__name__] = methods
+                    rewritten.add(cls)
                 elif reasons and (cls.__name__ in MOE_BLOCKS or _routed_experts(module)):
                     unreadable[cls.__name__] = reasons
-            if cls.__name__ in classes:
-                blocks.append(module)
+        blocks = [m for m in modules if type(m) in rewritten]
     agree(findings, ranks)  # every rank of the group posts, with or without blocks (outside the lock: it waits)
     with _lock:
         for module in blocks:
@@ -565,7 +558,7 @@ def _mark(model, ranks: list) -> list:
                          "slice, empty where no token was routed (the same outputs)", "a block that skips experts "
                    "without tokens leaves them without a gradient on some ranks, and ZeRO-1/2 then reduce buckets "
                    "that differ between ranks (an abort, a hang, or one expert's gradient summed with another's, "
-                   "silently)", len(blocks), ", ".join(sorted(classes)))
+                   "silently)", len(blocks), ", ".join(sorted({cls.__name__ for cls in rewritten})))
     for name, reasons in sorted(unreadable.items()):
         _log.warning("zeroshim[%s]: could not make MoE block %s run every expert (%s); if it skips experts "
                      "without tokens, ZeRO stage 1/2 on several ranks reduce mismatched gradients when ranks route "
@@ -630,7 +623,8 @@ def exchange(store, findings: dict, ranks: list, rank: int, limit: float) -> Non
     a, b = json.loads(first), json.loads(second)
     differ = "; ".join(f"{label.rpartition('.')[2]}: rank(s) {', '.join(map(str, ranks_a))} read "
                        f"{a.get(label, 'no such block')}, rank(s) {', '.join(map(str, ranks_b))} "
-                       f"{b.get(label, 'no such block')}" for label in sorted(set(a) | set(b)) if a.get(label) != b.get(label))
+                       f"{b.get(label, 'no such block')}"
+                       for label in sorted(set(a) | set(b)) if a.get(label) != b.get(label))
     message = (f"zeroshim[{NAME}]: the ranks read the MoE blocks differently ({differ}): another transformers, "
                "model code or an unreadable source on some node; marking them on some ranks only would reduce other "
                f"gradients on each. Install the same on every node, or set {PATCH.flag}=off on every rank")

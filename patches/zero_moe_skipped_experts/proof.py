@@ -24,7 +24,8 @@ def judge(ranks):
     without = ("trained without an error to other parameters than ZeRO-0 at stage 1 and 2 (experts' gradients "
                "summed across experts)" if wrong else "trained as ZeRO-0: the bug did not show")
     with_ = ("losses and parameters equal ZeRO-0's bit for bit at stage 1 and 2" if fixed
-             else "differs from ZeRO-0") + ("" if harmless else "; the run where the ranks route alike, or ZeRO-0, changed")
+             else "differs from ZeRO-0") \
+        + ("" if harmless else "; the run where the ranks route alike, or ZeRO-0, changed")
     return without, with_, wrong and fixed and harmless
 
 

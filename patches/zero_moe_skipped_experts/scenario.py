@@ -4,8 +4,9 @@ rank routing its tokens to its own expert.
 The model sums, after an identity projection, the outputs of every MoE block the installed transformers has of the
 three forms the patch rewrites (each built from its own config class, 4 experts, top-1): ``Qwen3MoeSparseMoeBlock``
 (``expert_hit``), ``JambaSparseMoeBlock`` (``continue`` on an empty slice), ``DeepseekV3MoE`` (``if ...numel() >
-0``) and ``DeepseekV2MoE`` (``continue`` where a token count is 0), and of one block written here as remote code writes it (``RemoteMoe``, the ``expert_hit`` loop; the bug on
-every transformers, 5.x included, whose own blocks fuse their experts).  The routers are frozen and set so that
+0``) and ``DeepseekV2MoE`` (``continue`` where a token count is 0), and of one block written here as remote code
+writes it (``RemoteMoe``, the ``expert_hit`` loop; the bug on every transformers, 5.x included, whose own blocks
+fuse their experts).  The routers are frozen and set so that
 expert ``e`` takes the tokens whose input dimension ``e`` is largest: rank 0's tokens go to expert 0, rank 1's to
 expert 1, experts 2 and 3 get none on either rank.  fp32, client SGD, 3 steps.
 
