@@ -209,6 +209,7 @@ def tests(session, env):
     for old in (launches, proofs):
         if os.path.exists(old):
             os.remove(old)
+    _note_location(session)
     _install(session, env)
     # ZSLAUNCH_PREFORK: a launch's ranks are forked from a process that imported torch and DeepSpeed once, where
     # that is all they would have done first (zeroshim/_prefork.py; issue #43 item 3)
@@ -249,6 +250,42 @@ def tests(session, env):
 # one after another; packaging, which checks its own installs, runs whole beside them.
 CI_SESSIONS = [*(f"tests(env='{name}')" for name in MATRIX), "clients(framework='accelerate')", "packaging"]
 CI_WHOLE_BESIDE = ("packaging",)
+# Disk.  Every environment of CI_SESSIONS together takes about 20 GB (the two CUDA builds of torch 5.7 GB each);
+# a CI machine's free disk varies (stop 58's CI ran out of it with all of them installed ahead, benchmarks/RESULTS.md
+# §47).  So `nox -s ci` removes each environment once its tests are done (unless ZSCI_KEEP_ENVS=1), and an install
+# starts ahead of the tests before it only where the disk has room for its peak (pip's downloads and unpacking
+# beside the growing environment, measured in §47); else it waits for the environments before it to be removed,
+# and past them it goes on and says how little room there is.
+CI_KEEP_ENVS = os.environ.get("ZSCI_KEEP_ENVS") == "1"
+GB = 1 << 30
+CI_DISK_PEAK_GB = {"cuda": 9.0, "cpu": 2.0}  # an install's peak use, with a margin: 7.7 and 5.6 GiB (torch 2.15.0, 2.14.1), 1.2 GiB (2.13.0), §47
+
+
+def _disk_peak(name: str) -> float:
+    """An install's peak use of the disk, in bytes: a session on a torch other than TORCH_DEFAULT (PyPI's CUDA
+    builds) or the default's CPU wheel."""
+    env = name.partition("env='")[2].rstrip("')") or None
+    return CI_DISK_PEAK_GB["cuda" if _torch_spec(env) != TORCH_DEFAULT else "cpu"] * GB
+
+
+def _free(path: str) -> int:
+    import shutil
+
+    return shutil.disk_usage(path).free
+
+
+def _location_file(name: str) -> str:
+    """Where a session run by `nox -s ci` writes its environment's path (for `ci` to remove it after its tests)."""
+    return os.path.join(TIMINGS, "env-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".path")
+
+
+def _note_location(session) -> None:
+    if PHASE:
+        os.makedirs(TIMINGS, exist_ok=True)
+        with open(_location_file(session.name), "w") as fh:
+            fh.write(session.virtualenv.location)
+
+
 # The installs beside the tests run at this niceness: the tests keep the CPU they would have alone, the installs
 # take what they leave (pip's unpacking is CPU work; at niceness 0 the first environments' tests took 14-45 % longer
 # on this 2-core machine, about what the overlap saved).
@@ -267,21 +304,67 @@ def ci(session):
     done ahead: one install (`nox --install-only`: pip, DeepSpeed's comm op) at a time, in order, beside the tests of
     the sessions before it (at niceness CI_INSTALL_NICE), and each session's tests (`nox -R`) as soon as its own
     install is done.  Run one after the other, the installs were about a quarter of CI's time (issue #43); beside the
-    tests they compete for the CPU (pip's unpacking), hence the niceness (benchmarks/RESULTS.md §16).  An install's output goes to .ci-timings/install-<session>.log, printed when it
-    fails; phases' times go to .ci-timings/ci.jsonl for .ci/timings.py."""
+    tests they compete for the CPU (pip's unpacking), hence the niceness (benchmarks/RESULTS.md §16).  Each
+    environment is removed once its tests are done, and an install waits for room on the disk (CI_DISK_PEAK_GB).
+    An install's output goes to .ci-timings/install-<session>.log, printed when it fails; phases' times go to
+    .ci-timings/ci.jsonl, the disk's least free space to .ci-timings/disk.json, for .ci/timings.py."""
     os.makedirs(TIMINGS, exist_ok=True)
     record = os.path.join(TIMINGS, "ci.jsonl")
+    root = os.path.dirname(os.path.abspath(__file__))
     done = {name: threading.Event() for name in CI_SESSIONS}
     result = {name: {"session": name} for name in CI_SESSIONS}
+    room = threading.Condition()
+    on_disk = []  # sessions whose environment is installed (or installing) and not yet removed
+    disk = {"start_gb": round(_free(root) / GB, 1), "least_gb": round(_free(root) / GB, 1), "while": "the start",
+            "keep_envs": CI_KEEP_ENVS}
+    now = {"doing": "the start"}
+    finished = threading.Event()
+
+    def sample():
+        while not finished.wait(2.0):
+            free = round(_free(root) / GB, 1)
+            if free < disk["least_gb"]:
+                disk.update(least_gb=free, **{"while": now["doing"]})
 
     def log_of(name):
         return os.path.join(TIMINGS, "install-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".log")
 
+    def remove(name):
+        """Remove ``name``'s environment (unless ZSCI_KEEP_ENVS=1) and let a waiting install go on."""
+        try:
+            with open(_location_file(name)) as fh:
+                location = fh.read().strip()
+        except OSError:
+            location = ""
+        if location and not CI_KEEP_ENVS and os.path.isdir(location):
+            import shutil
+
+            shutil.rmtree(location, ignore_errors=True)
+        with room:
+            if name in on_disk:
+                on_disk.remove(name)
+            room.notify_all()
+
     def installs():
         for name in CI_SESSIONS:
             whole = name in CI_WHOLE_BESIDE
+            need, waited = _disk_peak(name), time.time()
+            with room:
+                # room for this install's peak, or nothing left to remove before it
+                while on_disk and not CI_KEEP_ENVS and _free(root) < need:
+                    room.wait(timeout=10)
+                free = _free(root)
+                on_disk.append(name)
+            result[name]["waited_for_disk"] = round(time.time() - waited, 1)
+            result[name]["free_gb_before"] = round(free / GB, 1)
             started = time.time()
+            now["doing"] = f"{name}'s install"
             with open(log_of(name), "w") as out:
+                if free < need:
+                    out.write(f"ci: {free / GB:.1f} GB free on the disk, and this install takes up to about "
+                              f"{need / GB:.0f} GB (noxfile.py CI_DISK_PEAK_GB); no environment is left to "
+                              "remove before it, so it goes on\n")
+                    out.flush()
                 try:
                     child = _nox(name, "whole" if whole else "install", *([] if whole else ["--install-only"]),
                                  stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(CI_INSTALL_NICE))
@@ -291,14 +374,20 @@ def ci(session):
                     rc = 1
             result[name]["whole" if whole else "install"] = round(time.time() - started, 1)
             result[name]["install_rc"] = rc
+            if whole:  # run whole here: its environment stays, and nothing waits for its removal
+                with room:
+                    on_disk.remove(name)
+                    room.notify_all()
             done[name].set()
 
+    threading.Thread(target=sample, name="ci-disk", daemon=True).start()
     threading.Thread(target=installs, name="ci-installs", daemon=True).start()
     failed = []
 
     def show(name, why):
         failed.append(name)
-        session.warn(f"{name}: {why}; its output ({log_of(name)}):")
+        session.warn(f"{name}: {why}; {_free(root) / GB:.1f} GB free on the disk now "
+                     f"({result[name].get('free_gb_before', '?')} GB before its install); its output ({log_of(name)}):")
         with open(log_of(name), errors="replace") as fh:
             print(fh.read()[-20000:], flush=True)
 
@@ -310,22 +399,28 @@ def ci(session):
         result[name]["waited_for_install"] = round(time.time() - waited, 1)
         if result[name]["install_rc"]:
             show(name, f"its install failed (exit status {result[name]['install_rc']}); its tests did not run")
+            remove(name)
             continue
         session.log(f"{name}: installed in {result[name]['install']:.0f} s (waited {result[name]['waited_for_install']:.0f} s)")
         started = time.time()
+        now["doing"] = f"{name}'s tests"
         rc = _nox(name, "test", "-R").wait()
         result[name]["test"], result[name]["test_rc"] = round(time.time() - started, 1), rc
         if rc:
             failed.append(name)
+        remove(name)
     for name in CI_WHOLE_BESIDE:
         done[name].wait()
         if result[name]["install_rc"]:
             show(name, f"failed (exit status {result[name]['install_rc']})")
         else:
             session.log(f"{name}: passed in {result[name]['whole']:.0f} s, beside the tests (its output: {log_of(name)})")
+    finished.set()
     with open(record, "a") as fh:
         for name in CI_SESSIONS:
             fh.write(json.dumps(result[name]) + "\n")
+    with open(os.path.join(TIMINGS, "disk.json"), "w") as fh:
+        json.dump(disk, fh)
     for name in CI_SESSIONS:
         r = result[name]
         state = "failed" if name in failed else "passed"
@@ -333,6 +428,8 @@ def ci(session):
                   f"install {r.get('install', 0):.0f} s (waited for {r.get('waited_for_install', 0):.0f} s), "
                   f"tests {r.get('test', 0):.0f} s")
         session.log(f"  {name:<34} {state}: {phases}")
+    session.log(f"disk: {disk['start_gb']} GB free at the start, {disk['least_gb']} GB at the least (during "
+                f"{disk['while']})")
     if failed:
         session.error(f"{len(failed)} of {len(CI_SESSIONS)} sessions failed: {', '.join(failed)}")
 
@@ -446,6 +543,7 @@ def clients(session, framework):
     `zeroshim-run` with the command unchanged: trains, says which patches acted, same
     losses as the plain run wherever that trains (tests/clients/run.py; CI runs `accelerate`)."""
     pinned, no_deps, strip = CLIENTS[framework]
+    _note_location(session)
     _install_torch(session)
     _pip(session, *pinned, DS_BUILD_OPS="0")
     if no_deps:

@@ -76,9 +76,19 @@ def account(folder: str, top: int = 15) -> str:
             if "whole" in record:
                 lines.append(f"  {name:<34} beside the tests {float(record['whole']):6.0f} s")
             else:
+                disk = float(record.get("waited_for_disk") or 0)
                 lines.append(f"  {name:<34} install {float(record.get('install') or 0):6.0f} s (waited for "
                              f"{float(record.get('waited_for_install') or 0):4.0f} s)  tests "
-                             f"{float(record.get('test') or 0):6.0f} s")
+                             f"{float(record.get('test') or 0):6.0f} s"
+                             + (f"  (its install waited {disk:.0f} s for room on the disk)" if disk >= 1 else ""))
+    try:
+        with open(os.path.join(folder, "disk.json")) as fh:
+            disk = json.load(fh)
+        lines.append(f"disk: {disk.get('start_gb')} GB free at the start, {disk.get('least_gb')} GB at the least "
+                     f"(during {disk.get('while')}); environments "
+                     + ("kept (ZSCI_KEEP_ENVS=1)" if disk.get("keep_envs") else "removed after their tests"))
+    except (OSError, ValueError, AttributeError):
+        pass
     lines.append("per environment (the session's wall time: its tests, or install and tests where the session ran "
                  "whole; its scenario launches, and how many were forked from a pre-fork server):")
     for name, record in sorted(sessions.items(), key=lambda kv: -float(kv[1].get("seconds") or 0)):
