@@ -2,6 +2,8 @@
 2 ranks: from_config of a tiny Llama (without and with a padding row) and from_pretrained of a tiny Gemma 3 under
 a ZeRO-3 HfDeepSpeedConfig."""
 
+import math
+
 import pytest
 
 from harness import load_proof, torchrun
@@ -107,8 +109,10 @@ def test_from_pretrained_initialises_only_the_weight_the_checkpoint_lacks(ranks)
         assert abs(with_["head_std"] - ref["head_std"]) < 0.2 * ref["head_std"], with_["head_std"]
         assert (with_["gathered"] > 0) == FROM_PRETRAINED, with_  # the head, and the model that holds it
         assert with_["sha"]["lm_head.weight"] == ranks[0]["head/with"]["sha"]["lm_head.weight"]  # one model
-        if FROM_PRETRAINED:
-            assert not without["ok"] or abs(without["head_std"] - ref["head_std"]) > 0.2 * ref["head_std"], without
+        if FROM_PRETRAINED:  # whatever memory the empty shard got: another spread, or NaN (seen in a rehearsal)
+            std = without["head_std"]
+            assert not without["ok"] or not math.isfinite(std) or abs(std - ref["head_std"]) > 0.2 * ref["head_std"], \
+                without
 
 
 def test_status_follows_the_range(ranks):
