@@ -10,17 +10,30 @@ float64 table, and the value at position 1,001; and zeroshim's WARNINGs about ro
 * ``with``: under ``zero.Init`` with zeroshim: the same tables as ``without``, bit for bit, and one WARNING;
 * ``exact/without`` and ``exact/with``: transformers' own way (an ``int64`` arange, then ``.float()``) and a small
   floating arange, under ``zero.Init``, without and with zeroshim: the same tensors and no WARNING, and
-  ``init/*``: a tiny ``LlamaForCausalLM`` built under ``zero.Init``, its buffers, the same.
+  ``init/*``: a tiny ``LlamaForCausalLM`` built under ``zero.Init``, its buffers, the same;
+* ``hf/from_config/*`` and ``hf/from_pretrained/*``: the same module inside a ``PreTrainedModel`` (as remote code
+  ships it), built by transformers itself under ZeRO-3 (an ``HfDeepSpeedConfig`` alive): ``_from_config``, and
+  ``from_pretrained`` of the model saved without ZeRO-3, without and with zeroshim.  transformers 5.23 keeps the
+  arange's dtype there itself (``prevent_arange_dtype_change``: ``transformers_keeps``); before it, the tables are
+  rounded without zeroshim and equal the reference with it; ``hf/llama/*``: transformers' own Llama built by
+  ``_from_config`` under ZeRO-3 (an ``int64`` arange): the same buffers, nothing kept.
 """
 
 import hashlib
+import json
 import logging
 import math
+import os
+
+# ZSARANGE_RANK<r> (JSON): environment of rank r only, set before zeroshim is imported (the split test: the flag off
+# on rank 1 only, and only the from_config run; ``split`` in the results)
+os.environ.update(json.loads(os.environ.get(f"ZSARANGE_RANK{os.environ.get('RANK', '0')}", "{}")))
+SPLIT = bool(os.environ.get("ZSARANGE_SPLIT"))
 
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, enable_zeroshim, end, import_deepspeed
+from common import attempt, begin, enable_zeroshim, end, import_deepspeed, write_results
 
 deepspeed = import_deepspeed()
 NAME = "zero3_init_arange"
@@ -53,20 +66,46 @@ class Guarded(nn.Module):
 
 
 class Said(logging.Handler):
-    """zeroshim's WARNINGs about rounded aranges, as the user's log shows them."""
+    """zeroshim's WARNINGs about rounded aranges (``lines``) and about aranges it kept (``kept``), as the user's log
+    shows them."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.lines = []
+        self.lines, self.kept = [], []
 
     def emit(self, record):
         message = record.getMessage()
         if "zero.Init rounds torch.arange" in message:
             self.lines.append(message)
+        elif "kept torch.arange's" in message:
+            self.kept.append(message)
 
 
 SAID = Said()
 logging.getLogger("zeroshim").addHandler(SAID)
+
+
+def _hf_classes():
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class RotaryConfig(PretrainedConfig):
+        model_type = "zeroshim_rotary"
+
+    class RotaryModel(PreTrainedModel):
+        """A remote-code model: the rotary module above, built in ``__init__``."""
+
+        config_class = RotaryConfig
+        base_model_prefix = "model"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = Rotary()
+            self.post_init()
+
+        def _init_weights(self, module):
+            pass
+
+    return RotaryConfig, RotaryModel
 
 
 def truth():
@@ -86,7 +125,62 @@ def build(cls, zero_init: bool):
 
 
 def rotary(zero_init: bool) -> dict:
-    module = build(Rotary, zero_init)
+    return tables(build(Rotary, zero_init))
+
+
+def hf(how: str, saved: str) -> dict:
+    """The rotary module inside a ``PreTrainedModel``, built by transformers under ZeRO-3 (``how``: ``from_config``
+    or ``from_pretrained`` of ``saved``)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    _, model_class = _hf_classes()
+    keep = HfDeepSpeedConfig(dict(CONFIG))  # noqa: F841  (transformers holds it weakly: ZeRO-3 while it lives)
+    if how == "from_config":
+        model = model_class._from_config(model_class.config_class())
+    else:
+        model = model_class.from_pretrained(saved)
+    del keep
+    return tables(model.model)
+
+
+def hf_llama() -> dict:
+    """transformers' own Llama built by ``_from_config`` under ZeRO-3: its rotary table comes from an ``int64``
+    arange (nothing to keep), its buffers, and how many aranges zeroshim kept meanwhile."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import sys
+
+    zeroshim = sys.modules.get("zeroshim")  # not imported before the runs without it (importing applies it)
+
+    def kept():
+        return zeroshim.stats(NAME)["kept"] if zeroshim is not None else 0
+
+    before = kept()
+    keep = HfDeepSpeedConfig(dict(CONFIG))  # noqa: F841
+    model = LlamaForCausalLM._from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=4,
+                                                      num_key_value_heads=4, max_position_embeddings=4096))
+    del keep
+    return {"partitioned": hasattr(model.lm_head.weight, "ds_id"), "kept": kept() - before,
+            **{name: {"sha": sha(t), "dtype": str(t.dtype)} for name, t in model.named_buffers()}}
+
+
+def save_plain(out_dir: str) -> str:
+    """The model saved without ZeRO-3, by rank 0 (transformers 5 writes on the main process only), for every rank."""
+    import os
+
+    import torch.distributed as dist
+
+    config_class, model_class = _hf_classes()
+    saved = os.path.join(out_dir, "rotary")
+    if dist.get_rank() == 0:
+        model_class(config_class()).save_pretrained(saved)
+    dist.barrier()
+    return saved
+
+
+def tables(module) -> dict:
     exact = truth()
     out = {"partitioned": hasattr(module.proj.weight, "ds_id"), "dtype_before_cast": str(module.cos.dtype)}
     for name, ref in (("cos", exact.cos()), ("sin", exact.sin())):
@@ -112,13 +206,40 @@ def llama() -> dict:
     return {name: {"sha": sha(t), "dtype": str(t.dtype)} for name, t in model.named_buffers()}
 
 
+def transformers_keeps() -> bool:
+    """Does transformers keep the arange's dtype inside its own zero.Init (5.23.0 on)?"""
+    from transformers.integrations import deepspeed as integration
+
+    return hasattr(integration, "prevent_arange_dtype_change")
+
+
 def main():
     out, results = begin()
+    if SPLIT:  # the ranks disagree about the patch: the build stops on the acting rank, naming it
+        import time
+
+        zeroshim = enable_zeroshim()
+        results["status"] = zeroshim.status()[NAME].as_dict()
+        started = time.monotonic()
+        results["split"] = attempt(hf, "from_config", "")
+        results["seconds"] = round(time.monotonic() - started, 1)
+        if results["split"]["ok"]:
+            end(out, results)
+            return
+        # stopped, as the user's script would be by the exception: the launcher then stops the other rank, which
+        # may be waiting in zero.Init's broadcast of a parameter this rank never made
+        write_results(out, results)
+        os._exit(1)
+    saved = save_plain(out)
+    results["transformers_keeps"] = transformers_keeps()
     results["truth_at_1001"] = math.cos(1001 * BASE ** (-2 / DIM))
     results["reference"] = attempt(rotary, False)
     results["without"] = attempt(rotary, True)
     results["exact/without"] = attempt(guarded, True)
     results["init/without"] = attempt(llama)
+    for how in ("from_config", "from_pretrained"):
+        results[f"hf/{how}/without"] = attempt(hf, how, saved)
+    results["hf/llama/without"] = attempt(hf_llama)
 
     zeroshim = enable_zeroshim()
 
@@ -131,6 +252,12 @@ def main():
     results["with"] = attempt(rotary, True)
     results["stats"] = dict(zeroshim.stats(NAME))
     results["said"] = list(SAID.lines)
+    for how in ("from_config", "from_pretrained"):
+        results[f"hf/{how}/with"] = attempt(hf, how, saved)
+    results["hf/llama/with"] = attempt(hf_llama)
+    results["stats_hf"] = {k: zeroshim.stats(NAME)[k] - results["stats"][k] for k in results["stats"]}
+    results["said_rounded_hf"] = SAID.lines[len(results["said"]):]
+    results["said_kept"] = list(SAID.kept)
     end(out, results)
 
 
