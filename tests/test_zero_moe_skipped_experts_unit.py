@@ -391,3 +391,49 @@ def test_ranks_that_read_differently_stop_naming_the_block_and_the_ranks():
 def test_a_rank_that_never_says_stops_the_others_after_the_timeout_naming_it():
     out = _exchange_on_threads({0: {"m.Block": ["Block.forward"]}, 1: None}, limit=0.5)
     assert out == {0: out[0]} and "rank(s) 1 of this engine's data-parallel group did not say within 0.5 s" in out[0]
+
+
+# -- experts containers: transformers 5's Switch/NLLB-MoE `...Experts(nn.ModuleDict)` run the expert_hit loop in
+# their own forward (self is the experts); 4.x's Switch block loops over a `.tolist()` selection (refused, warned)
+def _switch():
+    pytest.importorskip("transformers")
+    from transformers.models.switch_transformers import modeling_switch_transformers as module
+
+    config = module.SwitchTransformersConfig(d_model=8, d_ff=8, num_experts=4, expert_capacity=64,
+                                             router_jitter_noise=0.0, dropout_rate=0.0)
+    return module, module.SwitchTransformersSparseMLP(config)
+
+
+def test_a_container_of_experts_runs_every_expert_with_the_same_output():
+    from zeroshim.patches.zero_moe_skipped_experts import _candidate, _container_class, _is_container
+
+    module, block = _switch()
+    container = getattr(module, "SwitchTransformersExperts", None)
+    if container is None:
+        pytest.skip("transformers 4.x: Switch's experts are a plain ModuleDict (the block loops)")
+    assert _candidate(block) and _is_container(block.experts) and _container_class(container)
+    new, forms = rewrite(container.forward, container.__name__, True)
+    assert forms == ["expert_hit"]
+    assert rewrite(container.forward, container.__name__) == (None, [])  # `self` is the experts only in a container
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 8)
+    selected = torch.zeros(5, 1, 4)
+    selected[torch.arange(5), 0, torch.tensor([1, 1, 3, 1, 3])] = 1
+    weights = torch.rand(5, 1)
+    expected = block.experts(hidden, selected, weights)
+    got = new(block.experts, hidden, selected, weights)
+    assert torch.equal(got, expected)
+    got.sum().backward()
+    assert all(p.grad is not None for p in block.experts.parameters())  # experts 0 and 2 too (zero)
+    assert not any(p.grad.any() for p in block.experts["expert_0"].parameters())
+
+
+def test_the_4x_switch_block_is_refused_with_a_reason():
+    from zeroshim.patches.zero_moe_skipped_experts import _candidate
+
+    module, block = _switch()
+    if hasattr(module, "SwitchTransformersExperts"):
+        pytest.skip("transformers 5: the loop is in the experts container")
+    assert _candidate(block)  # its experts: a plain ModuleDict (looked up with getattr)
+    new, reason = rewrite(type(block).forward, type(block).__name__)
+    assert new is None and "selection" in reason, reason

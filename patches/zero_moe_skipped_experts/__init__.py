@@ -34,11 +34,14 @@ Affected versions
     Hunyuan-V1-MoE in every 4.x release that has them (17 methods in 4.57.6);
     remote-code blocks of the same shapes in any version.  transformers 5.x
     fuses the experts of its blocks into 3-D parameters (every rank then has
-    a gradient for the same parameters); in 5.0.0 three still skip, in forms
-    this patch does not read and without a warning: Switch Transformers and
-    NLLB-MoE (their experts a ``ModuleDict``), AFMoE (a ``ModuleList``
-    subclass that loops over ``unique_consecutive(...).tolist()`` in its own
-    ``forward``, indexing ``self``).  DeepSpeed's leaf modules are read
+    a gradient for the same parameters); three still skip (5.0.0 and
+    5.23.0): Switch Transformers and NLLB-MoE, whose experts are a
+    ``ModuleDict`` subclass (``...Experts``) running the ``expert_hit`` loop
+    in its own ``forward`` (rewritten: RESULTS section 49), and AFMoE, a
+    ``ModuleList`` subclass looping over ``unique_consecutive(...).tolist()``
+    (refused, named at WARNING).  transformers 4.x Switch loops over
+    ``torch.nonzero(...).tolist()`` (refused, named at WARNING; 4.x NLLB-MoE
+    runs every expert).  DeepSpeed's leaf modules are read
     by ZeRO-3 only and do not help here.  Not affected: ZeRO-0, bf16
     included (DeepSpeed zero-fills missing gradients, or keeps a flat
     gradient buffer); ZeRO-1 with bf16 and ``grad_accum_dtype: fp32``
@@ -52,9 +55,12 @@ Fix
     ``DeepSpeedEngine._configure_distributed_model`` is wrapped: after it, for
     a ZeRO-1 or -2 engine whose data-parallel group (the ranks its gradients
     are reduced over) has several ranks, each module of the model that holds
-    its experts as an ``nn.ModuleList`` (2+) is read.  Each of its methods (its
-    class's and its bases', up to ``nn.Module``) with a loop over the experts
-    (iterating ``self.experts``, or indexing it with the loop variable) that
+    its experts as an ``nn.ModuleList`` or ``nn.ModuleDict`` (2+) is read, and
+    each experts container (a ``ModuleList``/``ModuleDict`` subclass of 2+
+    modules with its own ``forward``, where ``self`` is the experts).  Each of
+    its methods (its class's and its bases', up to ``nn.Module`` or torch's
+    container) with a loop over the experts (iterating ``self.experts``, or
+    indexing it with the loop variable, or ``getattr(self.experts, ...)``) that
     skips an expert without tokens gets a copy without the skip, compiled
     from the installed source where it stands (the model's own code, nothing
     re-typed; its file, lines and class, for tracebacks and private names):
@@ -75,8 +81,9 @@ Fix
     method of the class: a partial rewrite would say every expert runs where
     some do not.  Nor is a method that is decorated, has a closure (or calls
     ``super()`` without arguments), or whose source cannot be read.  A block
-    known as per-expert MoE (by name or structure, as ``zero3_moe_leaf``)
-    left as it is for such a reason is named at WARNING.
+    known as per-expert MoE (by name or structure, as ``zero3_moe_leaf``; an
+    experts ``ModuleDict``; an experts container) left as it is for such a
+    reason is named at WARNING.
 
     Every expert then runs on its own token slice, empty where no token was
     routed: the same outputs (an empty slice adds nothing), no extra
@@ -143,11 +150,41 @@ _marked: "weakref.WeakSet" = weakref.WeakSet()
 SELECTING = frozenset(("nonzero", "unique", "tolist", "where", "argwhere", "item"))
 
 
+#: set while the methods of an experts container (a ``ModuleDict``/``ModuleList`` subclass with its own forward,
+#: as transformers 5's Switch/NLLB-MoE ``...Experts``) are read: there ``self`` is the experts (under ``_lock``)
+_reading_container = [False]
+
+
 def _is_self_experts(node) -> bool:
+    """``self.experts``; in a container's method, ``self`` itself."""
     import ast
 
+    if _reading_container[0] and isinstance(node, ast.Name) and node.id == "self":
+        return True
     return (isinstance(node, ast.Attribute) and node.attr == "experts" and isinstance(node.value, ast.Name)
             and node.value.id == "self")
+
+
+def _is_container(module) -> bool:
+    """An experts container with its own forward: a ``ModuleDict``/``ModuleList`` subclass of 2+ modules that
+    defines ``forward`` (it runs the experts itself)."""
+    import torch
+
+    containers = (torch.nn.ModuleDict, torch.nn.ModuleList)
+    return (isinstance(module, containers) and type(module) not in containers and len(module) > 1
+            and type(module).forward is not torch.nn.Module.forward)
+
+
+def _candidate(module) -> bool:
+    """A block whose ``experts`` is a ``ModuleList`` (``zero3_moe_leaf``'s per-expert block) or a ``ModuleDict``
+    of 2+ experts, or an experts container (:func:`_is_container`)."""
+    import torch
+
+    from zeroshim.patches.zero3_moe_leaf import _per_expert
+
+    experts = getattr(module, "experts", None)
+    return (_per_expert(module) or (isinstance(experts, torch.nn.ModuleDict) and len(experts) > 1)
+            or _is_container(module))
 
 
 def _names(node) -> set:
@@ -171,15 +208,22 @@ def _own(loop):
 
 def _expert_loop(loop) -> bool:
     """A ``for`` over the experts: its iterable names ``self.experts`` (``enumerate(self.experts)``), or its body
-    indexes ``self.experts`` with a loop variable (``self.experts[expert_idx]``).  A loop around such a loop (over
-    chunks, layers) is not one."""
+    indexes ``self.experts`` with a loop variable (``self.experts[expert_idx]``, ``getattr(self.experts,
+    f"expert_{idx}")``; in a container, ``self[...]``).  A loop around such a loop (over chunks, layers) is not
+    one."""
     import ast
 
     if any(_is_self_experts(node) for node in ast.walk(loop.iter)):
         return True
     targets = _names(loop.target)
-    return any(isinstance(node, ast.Subscript) and _is_self_experts(node.value) and _names(node.slice) & targets
-               for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])))
+    for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])):
+        if isinstance(node, ast.Subscript) and _is_self_experts(node.value) and _names(node.slice) & targets:
+            return True
+        # getattr(self.experts, f"expert_{idx}") (a ModuleDict's experts by name)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) >= 2 and _is_self_experts(node.args[0]) and _names(node.args[1]) & targets:
+            return True
+    return False
 
 
 def _counts(loop, local: set) -> set:
@@ -368,10 +412,19 @@ def _strip(function_node) -> None:
     function_node.returns = None
 
 
-def rewrite(function, owner: str = "") -> "tuple":
+def rewrite(function, owner: str = "", container: bool = False) -> "tuple":
     """``(the function without its skips of empty experts, [forms])``; ``(None, [])`` where it has none; ``(None,
     reason)`` (a string) where it has a loop over experts that cannot be read, or a skip that cannot be removed.
-    ``owner``: the name of the class that defines it (private names are mangled with it)."""
+    ``owner``: the name of the class that defines it (private names are mangled with it); ``container``: that
+    class is an experts container (``self`` is the experts)."""
+    _reading_container[0] = container
+    try:
+        return _rewrite(function, owner, container)
+    finally:
+        _reading_container[0] = False
+
+
+def _rewrite(function, owner: str, container: bool) -> "tuple":
     import ast
     import inspect
 
@@ -390,7 +443,7 @@ def rewrite(function, owner: str = "") -> "tuple":
     prefix = f"class {owner or 'Block'}:\n" if indented else ""
     # a lambda or a function defined elsewhere and assigned here: its lines are not one definition; only one that
     # names the experts could hold a loop over them
-    about_experts = "self.experts" in text
+    about_experts = "self.experts" in text or (container and "self[" in text)
     try:
         tree = ast.parse(prefix + text)
     except SyntaxError as exc:
@@ -430,12 +483,13 @@ def rewrite(function, owner: str = "") -> "tuple":
 
 def _methods(cls) -> "list":
     """``(defining class, name, function)`` for every function defined on ``cls`` and its bases up to
-    ``nn.Module`` (a base's method reached through ``super()`` included)."""
+    ``nn.Module`` (or torch's ``ModuleDict``/``ModuleList``; a base's method reached through ``super()``
+    included)."""
     import torch
 
     found = []
     for klass in cls.__mro__:
-        if klass is torch.nn.Module or klass is object:
+        if klass in (torch.nn.Module, torch.nn.ModuleDict, torch.nn.ModuleList, object):
             break
         for name, value in vars(klass).items():
             if name.startswith("__") and name.endswith("__"):
@@ -468,13 +522,19 @@ def _dispatcher(key):
     return dispatch
 
 
+def _container_class(klass) -> bool:
+    import torch
+
+    return issubclass(klass, (torch.nn.ModuleDict, torch.nn.ModuleList))
+
+
 def _read(klass, name, function) -> tuple:
     """``rewrite`` once per (class, method, function): ``(copy or None, forms or why)``; read again where another
     library replaced the method since."""
     key = (klass, name)
     cached = _reads.get(key)
     if cached is None or cached[0] is not function:
-        cached = _reads[key] = (function, rewrite(function, klass.__name__))
+        cached = _reads[key] = (function, rewrite(function, klass.__name__, _container_class(klass)))
     return cached[1]
 
 
@@ -530,12 +590,14 @@ def _reducing_ranks(engine) -> "list | None":
 def _mark(model, ranks: list) -> list:
     """Mark the per-expert MoE blocks of ``model`` whose methods skip empty experts, once every rank of
     ``ranks`` (the engine's reducing group) read the same; the modules marked."""
-    from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _per_expert, _routed_experts
+    import torch
+
+    from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _routed_experts
 
     with _lock:
         # classes whose methods run without the skip; known MoE blocks left as they are (why); label -> what was read
         rewritten, unreadable, findings = set(), {}, {}
-        modules = [m for m in model.modules() if _per_expert(m)]
+        modules = [m for m in model.modules() if _candidate(m)]
         for module in modules:
             cls = type(module)
             label = f"{cls.__module__}.{cls.__qualname__}"
@@ -544,7 +606,8 @@ def _mark(model, ranks: list) -> list:
                 findings[label] = methods or reasons
                 if methods:
                     rewritten.add(cls)
-                elif reasons and (cls.__name__ in MOE_BLOCKS or _routed_experts(module)):
+                elif reasons and (cls.__name__ in MOE_BLOCKS or _routed_experts(module) or _is_container(module)
+                                  or isinstance(getattr(module, "experts", None), torch.nn.ModuleDict)):
                     unreadable[cls.__name__] = reasons
         blocks = [m for m in modules if type(m) in rewritten]
     agree(findings, ranks)  # every rank of the group posts, with or without blocks (outside the lock: it waits)

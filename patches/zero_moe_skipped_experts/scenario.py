@@ -4,7 +4,9 @@ rank routing its tokens to its own expert.
 The model sums, after an identity projection, the outputs of every MoE block the installed transformers has of the
 three forms the patch rewrites (each built from its own config class, 4 experts, top-1): ``Qwen3MoeSparseMoeBlock``
 (``expert_hit``), ``JambaSparseMoeBlock`` (``continue`` on an empty slice), ``DeepseekV3MoE`` (``if ...numel() >
-0``) and ``DeepseekV2MoE`` (``continue`` where a token count is 0), and of one block written here as remote code
+0``) and ``DeepseekV2MoE`` (``continue`` where a token count is 0), transformers 5's
+``SwitchTransformersSparseMLP`` (its experts a ``ModuleDict`` subclass whose own forward has the ``expert_hit``
+loop: ``SwitchTransformersExperts``, the form of NLLB-MoE too), and of one block written here as remote code
 writes it (``RemoteMoe``, the ``expert_hit`` loop; the bug on every transformers, 5.x included, whose own blocks
 fuse their experts).  The routers are frozen and set so that
 expert ``e`` takes the tokens whose input dimension ``e`` is largest: rank 0's tokens go to expert 0, rank 1's to
@@ -93,8 +95,16 @@ def _transformers_blocks() -> dict:
                                               n_routed_experts=EXPERTS, num_experts_per_tok=1, n_group=1,
                                               topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0))
 
+    def switch():
+        from transformers.models.switch_transformers import modeling_switch_transformers as module
+        if not hasattr(module, "SwitchTransformersExperts"):  # 4.x: a loop over a selection the patch refuses
+            raise RuntimeError("no SwitchTransformersExperts (transformers 4.x)")
+        return module.SwitchTransformersSparseMLP(module.SwitchTransformersConfig(
+            d_model=WIDTH, d_ff=WIDTH, num_experts=EXPERTS, expert_capacity=64, router_jitter_noise=0.0,
+            dropout_rate=0.0))
+
     return {"Qwen3MoeSparseMoeBlock": qwen3, "JambaSparseMoeBlock": jamba, "DeepseekV3MoE": deepseek_v3,
-            "DeepseekV2MoE": deepseek_v2}
+            "DeepseekV2MoE": deepseek_v2, "SwitchTransformersSparseMLP": switch}
 
 
 def _force_routing(block) -> None:
