@@ -34,12 +34,12 @@ Affected versions
     Hunyuan-V1-MoE in every 4.x release that has them (17 methods in 4.57.6);
     remote-code blocks of the same shapes in any version.  transformers 5.x
     fuses the experts of its blocks into 3-D parameters (every rank then has
-    a gradient for the same parameters); three still skip (5.0.0 and
-    5.23.0): Switch Transformers and NLLB-MoE, whose experts are a
-    ``ModuleDict`` subclass (``...Experts``) running the ``expert_hit`` loop
-    in its own ``forward`` (rewritten: RESULTS section 49), and AFMoE, a
-    ``ModuleList`` subclass looping over ``unique_consecutive(...).tolist()``
-    (refused, named at WARNING).  transformers 4.x Switch loops over
+    a gradient for the same parameters), except Switch Transformers and
+    NLLB-MoE (5.0.0 and 5.23.0), whose experts are a ``ModuleDict`` subclass
+    (``...Experts``) running the ``expert_hit`` loop in its own ``forward``
+    (rewritten: RESULTS section 49), and AFMoE in 5.0.0, a ``ModuleList``
+    subclass looping over ``unique_consecutive(...).tolist()`` (refused,
+    named at WARNING; fused by 5.23.0).  transformers 4.x Switch loops over
     ``torch.nonzero(...).tolist()`` (refused, named at WARNING; 4.x NLLB-MoE
     runs every expert).  DeepSpeed's leaf modules are read
     by ZeRO-3 only and do not help here.  Not affected: ZeRO-0, bf16
