@@ -108,3 +108,17 @@ def test_structure_detection():
     assert not _routed_experts(Block(mixed=True))  # not one type of expert
     assert not _routed_experts(Block(fused=True))
     assert not _routed_experts(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]))
+
+
+def test_switch_transformers_blocks_are_found_by_structure():
+    """Switch Transformers keep their experts in a ModuleDict (4.x) or a ModuleDict subclass with its own forward
+    (5.x), under a `router` whose classifier has one row per expert: found by structure, whatever the release (under
+    ZeRO-3 with ranks routing differently they failed with "Detected a disagreement on list contents" and hung,
+    benchmarks/RESULTS.md section 50)."""
+    from transformers.models.switch_transformers import modeling_switch_transformers as module
+
+    from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _routed_experts
+
+    block = module.SwitchTransformersSparseMLP(module.SwitchTransformersConfig(
+        d_model=8, d_ff=8, num_experts=4, expert_capacity=64, router_jitter_noise=0.0, dropout_rate=0.0))
+    assert type(block).__name__ not in MOE_BLOCKS and _routed_experts(block)

@@ -59,7 +59,8 @@ Fix
     union of what LLaMA-Factory, ms-swift, axolotl and DeepSpeed mark) and whose
     ``experts`` is an ``nn.ModuleList``, or, whatever its name, one with a
     ``gate``/``router`` child whose 2-D weight has one row per expert and an
-    ``nn.ModuleList`` child of 2+ expert modules of one type (fused experts
+    ``nn.ModuleList`` or ``nn.ModuleDict`` child (Switch Transformers,
+    NLLB-MoE) of 2+ expert modules of one type (fused experts
     are left alone: their parameters are gathered whole anyway).  A user's own
     choice wins: nothing is marked if any module of the model already is a
     leaf (``set_z3_leaf_modules``) or the config names
@@ -126,7 +127,8 @@ def _rows(param) -> "int | None":
 
 def _routed_experts(module) -> bool:
     """A per-expert MoE block by structure: a ``gate``/``router`` child with one output per expert (a 2-D weight
-    of as many rows) and a ``ModuleList`` child of 2+ expert modules of one type, each holding parameters.  Such
+    of as many rows) and a ``ModuleList`` or ``ModuleDict`` child (Switch Transformers, NLLB-MoE; a subclass with
+    its own forward in transformers 5) of 2+ expert modules of one type, each holding parameters.  Such
     a block can run only the experts its router picks (ranks then diverge); one that calls every expert is
     marked as well, which costs memory but no correctness."""
     import torch
@@ -136,12 +138,13 @@ def _routed_experts(module) -> bool:
     if not routers:
         return False
     for experts in module.children():
-        if not isinstance(experts, torch.nn.ModuleList) or len(experts) < 2:
+        if not isinstance(experts, (torch.nn.ModuleList, torch.nn.ModuleDict)) or len(experts) < 2:
             continue
-        kinds = {type(e) for e in experts}
-        if len(kinds) != 1 or not all(any(True for _ in e.parameters()) for e in experts):
+        members = list(experts.values()) if isinstance(experts, torch.nn.ModuleDict) else list(experts)
+        kinds = {type(e) for e in members}
+        if len(kinds) != 1 or not all(any(True for _ in e.parameters()) for e in members):
             continue
-        if any(_rows(p) == len(experts) for r in routers for p in r.parameters()):
+        if any(_rows(p) == len(members) for r in routers for p in r.parameters()):
             return True
     return False
 
