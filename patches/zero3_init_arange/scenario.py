@@ -19,6 +19,7 @@ float64 table, and the value at position 1,001; and zeroshim's WARNINGs about ro
   ``_from_config`` under ZeRO-3 (an ``int64`` arange): the same buffers, nothing kept.
 """
 
+import functools
 import hashlib
 import json
 import logging
@@ -85,7 +86,9 @@ SAID = Said()
 logging.getLogger("zeroshim").addHandler(SAID)
 
 
+@functools.lru_cache(maxsize=None)
 def _hf_classes():
+    """The remote-code model's config and model classes (made once)."""
     from transformers import PretrainedConfig, PreTrainedModel
 
     class RotaryConfig(PretrainedConfig):
@@ -146,10 +149,10 @@ def hf(how: str, saved: str) -> dict:
 def hf_llama() -> dict:
     """transformers' own Llama built by ``_from_config`` under ZeRO-3: its rotary table comes from an ``int64``
     arange (nothing to keep), its buffers, and how many aranges zeroshim kept meanwhile."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-
     import sys
+
+    from transformers import LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
 
     zeroshim = sys.modules.get("zeroshim")  # not imported before the runs without it (importing applies it)
 
@@ -158,9 +161,7 @@ def hf_llama() -> dict:
 
     before = kept()
     keep = HfDeepSpeedConfig(dict(CONFIG))  # noqa: F841
-    model = LlamaForCausalLM._from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                      num_hidden_layers=1, num_attention_heads=4,
-                                                      num_key_value_heads=4, max_position_embeddings=4096))
+    model = LlamaForCausalLM._from_config(_llama_config())
     del keep
     return {"partitioned": hasattr(model.lm_head.weight, "ds_id"), "kept": kept() - before,
             **{name: {"sha": sha(t), "dtype": str(t.dtype)} for name, t in model.named_buffers()}}
@@ -168,8 +169,6 @@ def hf_llama() -> dict:
 
 def save_plain(out_dir: str) -> str:
     """The model saved without ZeRO-3, by rank 0 (transformers 5 writes on the main process only), for every rank."""
-    import os
-
     import torch.distributed as dist
 
     config_class, model_class = _hf_classes()
@@ -196,13 +195,18 @@ def guarded(zero_init: bool) -> dict:
             **{name: {"sha": sha(t), "dtype": str(t.dtype)} for name, t in module.named_buffers()}}
 
 
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=4, max_position_embeddings=4096)
+
+
 def llama() -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     with deepspeed.zero.Init(config_dict_or_path=dict(CONFIG)):
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=4,
-                                             max_position_embeddings=4096))
+        model = LlamaForCausalLM(_llama_config())
     return {name: {"sha": sha(t), "dtype": str(t.dtype)} for name, t in model.named_buffers()}
 
 
