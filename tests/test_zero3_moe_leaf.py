@@ -1,6 +1,7 @@
-"""Patch zero3_moe_leaf against real DeepSpeed (patches/zero3_moe_leaf/scenario.py): two MoE blocks that skip
-experts without tokens (one known by class name, one by structure only), 2 ranks routing to different experts;
-and the same blocks behind a frozen input, where DeepSpeed's leaf hooks fail unless the input gets a gradient."""
+"""Patch zero3_moe_leaf against real DeepSpeed (patches/zero3_moe_leaf/scenario.py): three MoE blocks that skip
+experts without tokens (one known by class name, one written here and one of transformers known by structure only),
+2 ranks routing to different experts; and two of them behind a frozen input, where DeepSpeed's leaf hooks fail unless
+the input gets a gradient."""
 
 import pytest
 
@@ -9,6 +10,7 @@ from harness import load_proof, torchrun
 pytestmark = pytest.mark.deepspeed
 
 BLOCKS = ["CustomSparseMoe", "DeepseekV2MoE"]  # by structure (in no list), by name
+SWITCH = "SwitchTransformersSparseMLP"  # transformers' own, by structure (experts in a ModuleDict)
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +28,21 @@ def failed(run) -> bool:
 
 def test_fails_without_zeroshim(runs):
     for rank in runs["without"]:
-        assert rank["reference"]["leaves"] == []  # nothing marked: this DeepSpeed has no default for these blocks
+        # nothing marked but the Switch block, by hand: this DeepSpeed has no default for these blocks
+        assert rank["reference"]["leaves"] == [SWITCH]
     assert any(failed(rank["run"]) for rank in runs["without"]), \
         f"the ranks trained without zeroshim: the test cannot fail ({[r['run'] for r in runs['without']]})"
 
 
 def test_trains_with_zeroshim_as_the_blocks_that_call_every_expert(runs):
-    # the reference: the launch without zeroshim, unmarked, every expert called (same code, same environment)
+    # the reference: the launch without zeroshim, every expert called (same code, same environment); Switch by hand
     for rank, plain in zip(runs["with"], runs["without"]):
         assert rank["run"] != "hang", "hung with zeroshim"
         assert "error" not in rank["run"], rank["run"]["error"]
-        assert rank["run"]["leaves"] == BLOCKS  # CustomSparseMoe: found by its router + ModuleList of experts
-        assert rank["run"]["losses"] == plain["reference"]["losses"]  # bit for bit
+        # CustomSparseMoe: found by its router + ModuleList of experts; Switch: + ModuleDict of experts
+        assert rank["run"]["leaves"] == BLOCKS + [SWITCH]
+        # bit for bit: the two blocks as if they called every expert, Switch as if marked by hand
+        assert rank["run"]["losses"] == plain["reference"]["losses"]
         assert rank["status"]["state"] == "applied"
         assert rank["stats"]["marked"] >= 2 and rank["stats"]["by_structure"] >= 1
 

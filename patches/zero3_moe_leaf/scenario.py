@@ -4,12 +4,17 @@ remote-code MoE models do), under ZeRO-3 on 2 ranks.  One block's class is
 named ``DeepseekV2MoE``, as remote-code DeepSeek-V2 names it (zeroshim knows it
 by name); the other, ``CustomSparseMoe``, is in no list (zeroshim knows it by
 its structure: a ``router`` with one output per expert and a ``ModuleList`` of
-experts).  Their routers are frozen so that rank 0's tokens go to expert 0 and
+experts).  A third, transformers' own ``SwitchTransformersSparseMLP`` (experts
+in a ``ModuleDict``; in transformers 5 a subclass whose own forward skips the
+experts without tokens, in 4.x a loop over the experts hit), is also found by
+structure.  Their routers are frozen so that rank 0's tokens go to expert 0 and
 rank 1's to expert 1.
 
 * ``reference``: the same blocks calling every expert, also those without
   tokens (the ranks' all-gathers pair up; the numbers any fix must reproduce);
-* ``frozen``: the same as ``reference`` behind a frozen input projection (as
+  the Switch block, whose loop is transformers' own, marked a leaf by hand
+  (``deepspeed.utils.set_z3_leaf_modules``, DeepSpeed's documented remedy);
+* ``frozen``: the two blocks of ``reference`` behind a frozen input projection (as
   behind a frozen embedding under LoRA): the blocks' input needs no grad.
   Unmarked (``--mode without``) it trains; marked as a leaf, DeepSpeed
   0.13.2-0.17.x raises "A module cannot be set as a leaf module when it does
@@ -93,8 +98,26 @@ class CustomSparseMoe(nn.Module):
         return routed(x, self.router(x).argmax(-1), self.experts, self.skip_empty)
 
 
+def switch_block():
+    """transformers' Switch Transformers block (4 experts, width 8, no jitter or dropout, room for every token),
+    its router frozen like the others; None where the installed transformers has none."""
+    try:
+        from transformers.models.switch_transformers import modeling_switch_transformers as module
+    except ImportError:
+        return None
+    block = module.SwitchTransformersSparseMLP(module.SwitchTransformersConfig(
+        d_model=WIDTH, d_ff=2 * WIDTH, num_experts=EXPERTS, expert_capacity=64, router_jitter_noise=0.0,
+        dropout_rate=0.0, router_dtype="bfloat16"))
+    classifier = block.router.classifier
+    with torch.no_grad():  # expert e <- input dimension e
+        classifier.weight.zero_()
+        classifier.weight[:, :EXPERTS] = torch.eye(EXPERTS)
+    classifier.requires_grad_(False)
+    return block
+
+
 class Net(nn.Module):
-    def __init__(self, skip_empty, frozen_input):
+    def __init__(self, skip_empty, frozen_input, switch=True):
         super().__init__()
         self.proj = nn.Linear(WIDTH, WIDTH)  # the blocks' input requires grad, as after attention in a real model
         with torch.no_grad():
@@ -103,18 +126,26 @@ class Net(nn.Module):
         self.proj.requires_grad_(not frozen_input)  # frozen: as behind a frozen embedding under LoRA
         self.moe = DeepseekV2MoE(skip_empty)
         self.custom = CustomSparseMoe(skip_empty)
+        self.switch = switch_block() if switch else None
         self.head = nn.Linear(WIDTH, 1)
         self.input_required_grad = []
 
     def forward(self, x):
         h = self.proj(x)
         self.input_required_grad.append(h.requires_grad)
-        return self.head(h + self.moe(h) + self.custom(h)).float().pow(2).mean()
+        out = h + self.moe(h) + self.custom(h)
+        if self.switch is not None:
+            y = self.switch(h[None])  # (batch, sequence, width); transformers 4.x also return the router's outputs
+            out = out + (y[0] if isinstance(y, tuple) else y)[0]
+        return self.head(out).float().pow(2).mean()
 
 
 def train(skip_empty: bool, frozen_input: bool = False) -> dict:
     torch.manual_seed(0)
-    net = Net(skip_empty, frozen_input)
+    net = Net(skip_empty, frozen_input, switch=not frozen_input)
+    if not skip_empty and net.switch is not None:  # the reference: DeepSpeed's own remedy for transformers' loop
+        from deepspeed.utils import set_z3_leaf_modules
+        set_z3_leaf_modules(net, [type(net.switch)])
     params = [p for p in net.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(params, lr=1e-3),
                                       config=ds_config(3, micro_batch=2))
