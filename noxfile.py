@@ -274,9 +274,14 @@ def _free(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def _file_safe(name: str) -> str:
+    """A session's name as part of a file name (``tests(env='ds0.19.8')`` -> ``tests_env__ds0.19.8__``)."""
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in name)
+
+
 def _location_file(name: str) -> str:
     """Where a session run by `nox -s ci` writes its environment's path (for `ci` to remove it after its tests)."""
-    return os.path.join(TIMINGS, "env-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".path")
+    return os.path.join(TIMINGS, f"env-{_file_safe(name)}.path")
 
 
 def _note_location(session) -> None:
@@ -327,7 +332,7 @@ def ci(session):
                 disk.update(least_gb=free, **{"while": now["doing"]})
 
     def log_of(name):
-        return os.path.join(TIMINGS, "install-" + "".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".log")
+        return os.path.join(TIMINGS, f"install-{_file_safe(name)}.log")
 
     def remove(name):
         """Remove ``name``'s environment (unless ZSCI_KEEP_ENVS=1) and let a waiting install go on."""

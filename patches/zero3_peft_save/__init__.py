@@ -136,7 +136,7 @@ from __future__ import annotations
 import logging
 import os
 
-from zeroshim import _log
+from zeroshim import _dist, _log
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require, require_attr, require_params
 
@@ -492,7 +492,7 @@ def _rendezvous(plan, kind: str = "peft") -> "str | None":
     if world == 1:
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _dist.default_store(dist)
     except Exception as exc:  # no store to meet in (e.g. an MPI process group)
         return f"no key-value store to meet the other ranks in ({exc})"
     signature = zlib.crc32(repr([(p.ds_id, tuple(p.ds_shape)) for p in plan]).encode())

@@ -118,6 +118,7 @@ Undo
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import weakref
@@ -150,16 +151,16 @@ _marked: "weakref.WeakSet" = weakref.WeakSet()
 SELECTING = frozenset(("nonzero", "unique", "tolist", "where", "argwhere", "item"))
 
 
-#: set while the methods of an experts container (a ``ModuleDict``/``ModuleList`` subclass with its own forward,
-#: as transformers 5's Switch/NLLB-MoE ``...Experts``) are read: there ``self`` is the experts (under ``_lock``)
-_reading_container = [False]
+#: True while the methods of an experts container (a ``ModuleDict``/``ModuleList`` subclass with its own forward,
+#: as transformers 5's Switch/NLLB-MoE ``...Experts``) are read, in this thread: there ``self`` is the experts
+_reading_container = contextvars.ContextVar("zeroshim_moe_reading_container", default=False)
 
 
 def _is_self_experts(node) -> bool:
     """``self.experts``; in a container's method, ``self`` itself."""
     import ast
 
-    if _reading_container[0] and isinstance(node, ast.Name) and node.id == "self":
+    if _reading_container.get() and isinstance(node, ast.Name) and node.id == "self":
         return True
     return (isinstance(node, ast.Attribute) and node.attr == "experts" and isinstance(node.value, ast.Name)
             and node.value.id == "self")
@@ -417,11 +418,11 @@ def rewrite(function, owner: str = "", container: bool = False) -> "tuple":
     reason)`` (a string) where it has a loop over experts that cannot be read, or a skip that cannot be removed.
     ``owner``: the name of the class that defines it (private names are mangled with it); ``container``: that
     class is an experts container (``self`` is the experts)."""
-    _reading_container[0] = container
+    token = _reading_container.set(container)
     try:
         return _rewrite(function, owner, container)
     finally:
-        _reading_container[0] = False
+        _reading_container.reset(token)
 
 
 def _rewrite(function, owner: str, container: bool) -> "tuple":
