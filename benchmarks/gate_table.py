@@ -31,7 +31,10 @@ Per patch and release:
   inside ``if``/``try`` blocks are not seen: they read as missing, a ``T`` to
   confirm by hand) (read from
   ``patches/<name>/__init__.py``); the script refuses to run when a patch with a DeepSpeed
-  target, or one of its DeepSpeed target modules, has no entry there (a patch without one needs none).  Targets outside
+  target, or one of its DeepSpeed target modules, has no entry there (a patch without one needs none).
+  ``tests/test_gate_table_requirements.py`` runs every patch's ``patch_*`` functions on the installed
+  DeepSpeed with a recording patcher, in every test environment, and fails where a name they require is
+  not in its entry.  Targets outside
   DeepSpeed (torch, numpy, transformers, peft) do not vary with the release and
   are not checked.
 
