@@ -197,6 +197,8 @@ REQUIREMENTS = {
                           ("attr", "deepspeed.runtime.zero.partition_parameters", "_orig_torch_arange")],
     "bf16_zero1_last_microbatch": [("attr", E, "DeepSpeedEngine._backward_epilogue"),
                                    ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.backward_epilogue")],
+    "zero3_inference_mode": [("params", PPC, "PartitionedParameterCoordinator.fetch_sub_module",
+                              ("current_submodule", "forward"))],
 }
 
 

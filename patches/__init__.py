@@ -53,4 +53,5 @@ PATCH_MODULES = (
     "zero3_device_map",
     "zero3_init_arange",
     "bf16_zero1_last_microbatch",
+    "zero3_inference_mode",
 )
