@@ -3,7 +3,7 @@
 ``--mode train``: records the process (pid, parent, session), its arguments, ``sys.path[0]``, its rank's
 variables, whether an earlier launch's change to the ``torch`` module shows, and the losses of 3 ZeRO-3 steps
 of a tiny model; sets an attribute on the ``torch`` module (a later launch forked from the same server must not see
-it).  ``--mode fail``: rank 1 exits 3 after the process group is up, rank 0 sleeps (outside any collective: in a
+it).  ``--mode fail``: rank 1 exits 3 after the process group is up and rank 0 has written its results, rank 0 sleeps (outside any collective: in a
 barrier, gloo would see rank 1 go and rank 0 could exit 1 before the launcher saw rank 1's 3).  ``--mode hang``:
 every rank sleeps."""
 
@@ -45,6 +45,11 @@ def main():
     if args.mode == "fail":
         write_results(args.out, results)
         if rank == 1:
+            # after rank 0 has written its results: on a loaded machine the launcher stopped rank 0 before it
+            # wrote them now and then (the test then read no pid to check)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(args.out, "rank0.json")) and time.monotonic() < deadline:
+                time.sleep(0.05)
             sys.exit(3)
         time.sleep(3600)  # stopped by the launcher once rank 1 has exited
     if args.mode == "hang":
