@@ -198,7 +198,9 @@ REQUIREMENTS = {
     "bf16_zero1_last_microbatch": [("attr", E, "DeepSpeedEngine._backward_epilogue"),
                                    ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.backward_epilogue")],
     "zero3_inference_mode": [("params", PPC, "PartitionedParameterCoordinator.fetch_sub_module",
-                              ("current_submodule", "forward"))],
+                              ("current_submodule", "forward")),
+                             ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",
+                              ("param_list",))],
 }
 
 

@@ -43,7 +43,7 @@ TARGETS = {
     'zero3_device_map': ('transformers.modeling_utils',),
     'zero3_init_arange': ('deepspeed.runtime.zero.partition_parameters',),
     'bf16_zero1_last_microbatch': ('deepspeed.runtime.bf16_optimizer', 'deepspeed.runtime.engine'),
-    'zero3_inference_mode': ('deepspeed.runtime.zero.partitioned_param_coordinator',),
+    'zero3_inference_mode': ('deepspeed.runtime.zero.partitioned_param_coordinator', 'deepspeed.runtime.zero.partition_parameters'),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
