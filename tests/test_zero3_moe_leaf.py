@@ -127,3 +127,19 @@ def test_switch_transformers_blocks_are_found_by_structure():
     block = module.SwitchTransformersSparseMLP(module.SwitchTransformersConfig(
         d_model=8, d_ff=8, num_experts=4, expert_capacity=64, router_jitter_noise=0.0, dropout_rate=0.0))
     assert type(block).__name__ not in MOE_BLOCKS and _routed_experts(block)
+
+
+def test_nllb_moe_blocks_are_found_by_structure():
+    """NLLB-MoE keeps its experts in a ModuleDict (4.x) or a ModuleDict subclass that also holds its token dropout
+    (5.x), under a top-2 `router` with one row per expert: found by structure on every release.  On transformers 5
+    the dropout made the experts look of two kinds, and the block was not found.  Its loop skips experts without
+    tokens as the Switch block's does, which hangs under ZeRO-3 with ranks routing differently (benchmarks/RESULTS.md
+    section 50); NLLB-MoE itself was not run under ZeRO-3."""
+    from transformers.models.nllb_moe import modeling_nllb_moe as module
+
+    from zeroshim.patches.zero3_moe_leaf import MOE_BLOCKS, _routed_experts
+
+    block = module.NllbMoeSparseMLP(module.NllbMoeConfig(d_model=8, encoder_ffn_dim=8, decoder_ffn_dim=8,
+                                                         num_experts=4, expert_capacity=64), ffn_dim=8)
+    assert type(block).__name__ not in MOE_BLOCKS and _routed_experts(block)
+

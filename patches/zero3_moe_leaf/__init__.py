@@ -128,7 +128,8 @@ def _rows(param) -> "int | None":
 def _routed_experts(module) -> bool:
     """A per-expert MoE block by structure: a ``gate``/``router`` child with one output per expert (a 2-D weight
     of as many rows) and a ``ModuleList`` or ``ModuleDict`` child (Switch Transformers, NLLB-MoE; a subclass with
-    its own forward in transformers 5) of 2+ expert modules of one type, each holding parameters.  Such
+    its own forward in transformers 5) of 2+ expert modules of one type, each holding parameters (children
+    without parameters, such as NLLB-MoE's token dropout in transformers 5, are not experts).  Such
     a block can run only the experts its router picks (ranks then diverge); one that calls every expert is
     marked as well, which costs memory but no correctness."""
     import torch
@@ -138,11 +139,13 @@ def _routed_experts(module) -> bool:
     if not routers:
         return False
     for experts in module.children():
-        if not isinstance(experts, (torch.nn.ModuleList, torch.nn.ModuleDict)) or len(experts) < 2:
+        if not isinstance(experts, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             continue
         members = list(experts.values()) if isinstance(experts, torch.nn.ModuleDict) else list(experts)
-        kinds = {type(e) for e in members}
-        if len(kinds) != 1 or not all(any(True for _ in e.parameters()) for e in members):
+        # the experts are the children that hold parameters: transformers 5's NLLB-MoE container also holds its
+        # token dropout
+        members = [e for e in members if any(True for _ in e.parameters())]
+        if len(members) < 2 or len({type(e) for e in members}) != 1:
             continue
         if any(_rows(p) == len(members) for r in routers for p in r.parameters()):
             return True
