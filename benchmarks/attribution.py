@@ -141,6 +141,7 @@ def measure(args, workload, nproc):
     return {"workload": workload, "ranks": nproc, "step_ms": ranks[worst]["step_s"] * 1000,
             "own_ms": ranks[worst]["own_s_per_step"] * 1000, "share": shares[worst],
             "per_patch_ms": {k: v["seconds"] / args.steps * 1000 for k, v in ranks[worst]["own"].items()},
+            "per_patch_calls": {k: v["calls"] / args.steps for k, v in ranks[worst]["own"].items()},
             "stats": ranks[worst]["stats"]}
 
 

@@ -105,6 +105,7 @@ REQUIREMENTS = {
     "zero3_dummy_loss": [
         ("attr", E, "DeepSpeedEngine.backward"), ("attr", E, "DeepSpeedEngine.zero_optimization_stage"),
         ("attr", S3, "DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads"),
+        ("attr", S3, "DeepSpeedZeroOptimizer_Stage3.__init__"),
     ],
     "zero2_offload_accumulation": [("attr", S12, "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu")],
     "zero3_delegating_wrapper": [("attr", OFF, "DeepSpeedZeRoOffload")],

@@ -105,3 +105,9 @@ def test_attribution_smoke():
     rows = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| zero")}
     assert set(rows) == {"| zero2", "| zero3", "| zero3-acting"}, out
     assert "nonreentrant_checkpoint" in rows["| zero3-acting"] and "zero3_dummy_loss" in rows["| zero3-acting"], out
+
+
+def test_per_call_smoke():
+    """Seconds, no DeepSpeed: runs with the suite (the per-call figures of RESULTS section 57)."""
+    out = run(str(BENCH / "per_call.py"), "--smoke")
+    assert out.count("| fetch_sub_module") == 2 and out.count("| Tensor *") == 3, out

@@ -400,3 +400,42 @@ def test_an_unpatch_while_another_thread_applies_leaves_nothing_applied(tmp_path
         release.set()
         zeroshim.apply("zs_undo_race")
         _core.deregister("zs_undo_race")
+
+
+def test_wrap_hot_puts_a_plain_function_in_place_where_it_can_and_undo_restores():
+    """``Patcher.wrap_hot``: a plain function where the class defines one, a wrapt wrapper where the method is
+    inherited or already wrapped; undo puts back exactly what was there."""
+    from zeroshim._patcher import Patcher, is_patched_by
+
+    class Base:
+        def hot(self, x):
+            return x + 1
+
+    class Child(Base):
+        pass
+
+    calls = []
+
+    def wrapper(wrapped, instance, args, kwargs):
+        calls.append("wrapper")
+        return wrapped(*args, **kwargs)
+
+    def replacement(original):
+        def hot(self, x):
+            calls.append("replacement")
+            return original(self, x)
+        return hot
+
+    patcher = Patcher("demo")
+    plain = vars(Base)["hot"]
+    patcher.wrap_hot(Base, "hot", wrapper, replacement)
+    assert type(vars(Base)["hot"]).__name__ == "function" and vars(Base)["hot"].__wrapped__ is plain
+    assert Base().hot(1) == 2 and calls == ["replacement"]
+    other = Patcher("demo2")
+    other.wrap_hot(Child, "hot", wrapper, replacement)  # inherited: wrapt
+    assert is_patched_by(vars(Child)["hot"], "demo2")
+    calls.clear()
+    assert Child().hot(1) == 2 and calls == ["wrapper", "replacement"]
+    other.undo()
+    patcher.undo()
+    assert vars(Base)["hot"] is plain and "hot" not in vars(Child)

@@ -18,7 +18,8 @@ ZEROS_HERE = ZEROS if EVERYTHING_HERE else ("0.0",)
 ZERO_PARAMS = [z if z in ZEROS_HERE else
                pytest.param(z, marks=pytest.mark.skip(reason=f"every spelling of zero runs in {ONCE_ENV}"))
                for z in ZEROS]
-FORMS = ("keyword", "mixed", "runtime_weights", "mean")
+FORMS = ("keyword", "mixed", "runtime_weights", "mean", "torch_mul")
+STEPS = 2  # the scenario's steps per engine
 # The further forms of the term are zeroshim's graph walk over DeepSpeed's placeholders, the same in every
 # release: they run in ONCE_ENV and in the oldest release (whose error differs: SumBackward0); so do the runs
 # at ZeRO-0 and ZeRO-2, which the patch must leave alone (its stage check is its own).
@@ -63,12 +64,22 @@ def test_trains_with_zeroshim_exactly_as_without_the_dummy_line(ranks, placement
         assert run["param_sha256"] == ref["param_sha256"]
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("zero", ZERO_PARAMS)
+def test_after_the_first_backward_the_terms_are_taken_where_they_were_built(ranks, placement, zero):
+    """An engine's first backward walks the whole graph and finds every term noted when it was built; later
+    backwards look at the noted terms only (issue #47 item 8: the walk cost milliseconds a step)."""
+    for rank in ranks:
+        run = rank[f"with/{placement}/{zero}"]
+        assert (run["walked"], run["noted"]) == (1, STEPS - 1), run
+
+
 @pytest.mark.parametrize("stage", STAGE_PARAMS)
 def test_zero2_and_no_zero_are_untouched(ranks, stage):
     for rank in ranks:
         with_, without = rank[f"z{stage}/with"], rank[f"z{stage}/without"]
         assert without["ok"] and with_["ok"]
-        assert with_["stripped"] == 0
+        assert with_["stripped"] == with_["walked"] == with_["noted"] == 0
         assert with_["param_sha256"] == without["param_sha256"]
 
 
@@ -99,6 +110,9 @@ def test_further_forms_train_exactly_as_without_the_term(ranks, form):
         assert run["ok"], run.get("error")
         assert run["stripped"] == 2  # one term per step, 2 steps
         assert run["param_sha256"] == ref["param_sha256"]
+        # torch.mul is not watched: the first backward's walk finds a term that was not noted, and that engine
+        # walks every backward; the other forms are taken where they were built after the first backward
+        assert (run["walked"], run["noted"]) == ((STEPS, 0) if form == "torch_mul" else (1, STEPS - 1)), run
         if form == "mean":  # p.mean() of an empty placeholder is NaN: the logged value, never the step
             assert run["losses"][0] != run["losses"][0]  # first step: the adapter is a placeholder there
             assert all(loss != loss or loss == ref_loss for loss, ref_loss in zip(run["losses"], ref["losses"]))

@@ -65,6 +65,21 @@ Fix
     where backward would crash: how many terms, why, the flag).  The cuts are
     kept per engine, so two engines backwarding in threads (RLHF) keep theirs.
 
+    Finding the terms without walking every step: walking the whole graph
+    costs a few milliseconds a step on a 32-layer model.  So from the first
+    ZeRO-3 optimizer built on, ``torch.Tensor``'s ``*`` (``__mul__``,
+    ``__rmul__``, ``__imul__``), ``mul`` and ``mul_`` are wrapped: a
+    multiplication whose result needs a gradient and whose factor is a zero
+    number or a small tensor without grad is noted, per thread, if it reaches
+    ZeRO-3 parameters directly; ``engine.backward`` looks at the noted terms
+    only.  An engine's first backward also walks the whole graph and
+    compares: a term built another way (``torch.mul``, C++ code) makes that
+    engine walk every backward, as before (said once at INFO).  A term that
+    appears only after the first step and is built another way is not found:
+    backward fails as it does upstream.  The wrapped methods cost about half a
+    microsecond a multiplication where nothing is noted (``torch.compile``
+    traces through them).
+
     The loss *value*: such a term is evaluated on whatever the parameters are
     when it is built; on an empty placeholder ``p.sum()`` gives 0 but
     ``p.mean()`` gives NaN (the mean of no elements), and ``NaN * 0`` is NaN.
@@ -98,8 +113,9 @@ Fix
     do.
 
 Undo
-    ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``
-    and ``DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads``.
+    ``zeroshim.unpatch("zero3_dummy_loss")`` restores ``DeepSpeedEngine.backward``,
+    ``DeepSpeedZeroOptimizer_Stage3.__init__`` and
+    ``reduce_ready_partitions_and_remove_grads``, and torch's multiplication methods.
 
 Evidence
     benchmarks/RESULTS.md, "Moved from the patch docstrings", ``zero3_dummy_loss``.
@@ -107,6 +123,7 @@ Evidence
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from zeroshim import _log
@@ -144,7 +161,8 @@ def _what(param) -> "str | None":
     return None
 _announced: "weakref.WeakSet" = weakref.WeakSet()
 #: terms stripped since import (introspection and tests)
-stats = {"stripped": 0, "backward_calls_walked": 0, "nan_loss_seen": 0, "zero_filled": 0}
+stats = {"stripped": 0, "backward_calls_walked": 0, "backward_calls_noted": 0, "engines_walking": 0,
+         "nan_loss_seen": 0, "zero_filled": 0}
 
 
 #: a tensor factor is read (and compared with zero) only up to this many elements
@@ -264,16 +282,17 @@ def _undefined(grad_outputs):
     return tuple(None for _ in grad_outputs)
 
 
-def strip_zero_terms(loss, engine=None) -> int:
+def strip_zero_terms(loss, engine=None, cut_nodes: "list | None" = None) -> int:
     """Cut the zero-weighted terms of ``loss``'s graph that reach ZeRO-3
-    parameters directly; returns how many were cut.  What each cut means for
-    its parameters is kept for ``engine``'s backward (replacing that engine's
-    previous one)."""
+    parameters directly, walking the whole graph; returns how many were cut
+    (their nodes are appended to ``cut_nodes`` if given).  What each cut means
+    for its parameters is kept for ``engine``'s backward (replacing that
+    engine's previous one)."""
     key = id(engine) if engine is not None else None
     cuts = _cut_params[key] = {}
     handles = []
     try:
-        cut = _strip(loss, cuts, handles)
+        cut = _strip(loss, cuts, handles, cut_nodes)
     except BaseException:  # a failure half-way cuts nothing (issue #47 item 3): the backward runs unchanged
         for handle in handles:
             handle.remove()
@@ -284,7 +303,7 @@ def strip_zero_terms(loss, engine=None) -> int:
     return cut
 
 
-def _strip(loss, cuts: dict, handles: list) -> int:
+def _strip(loss, cuts: dict, handles: list, cut_nodes: "list | None" = None) -> int:
     root = getattr(loss, "grad_fn", None)
     if root is None:
         return 0
@@ -307,6 +326,8 @@ def _strip(loss, cuts: dict, handles: list) -> int:
                 handles.append(node.register_prehook(_undefined))
                 for p in params:  # what the hook does if the cut term was this parameter's only path
                     cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
+                if cut_nodes is not None:
+                    cut_nodes.append(node)
                 cut += 1
                 continue
         for fn, _ in node.next_functions:
@@ -316,16 +337,205 @@ def _strip(loss, cuts: dict, handles: list) -> int:
     return cut
 
 
+# -- finding the terms when they are built (issue #47 item 8) ---------------------------
+# The walk above visits every node of the backward graph: a few milliseconds a step on a 32-layer model
+# (benchmarks/RESULTS.md sections 27 and 57).  Once a ZeRO-3 optimizer exists, torch's multiplication methods
+# note each zero multiplication that needs a gradient and reaches ZeRO-3 parameters directly when it is built;
+# engine.backward then looks at those nodes only.  An engine's first backward walks the whole graph as well and
+# compares: a term the walk cut that was not noted (built by an operation not wrapped here, such as torch.mul)
+# makes that engine walk every backward, as before.
+_WRAPPED = ("__mul__", "__rmul__", "__imul__", "mul", "mul_")
+# per thread: "nodes", the terms noted since this thread's last engine backward; "overflow": more than
+# _MAX_NOTED were noted (the oldest were dropped), so the next backward walks the whole graph
+_noted = threading.local()
+_MAX_NOTED = 256
+_BUILT, _WALK = "built", "walk"
+# engine -> _BUILT (its first backward's walk found nothing that was not noted) or _WALK
+_mode: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_installed: list = []  # [True] once the multiplication methods are wrapped (by _install, under _install_lock)
+_tensor_cls: list = [None]  # torch.Tensor, bound at install (a multiplication's plain result)
+_applied: list = []  # this patch's Patcher while applied (the methods are wrapped later, at a ZeRO-3 optimizer)
+_install_lock = threading.Lock()
+
+
+def _noted_nodes() -> list:
+    nodes = getattr(_noted, "nodes", None)
+    if nodes is None:
+        nodes = _noted.nodes = []
+    return nodes
+
+
+def _note(out) -> None:
+    """``out`` is a multiplication's result that needs a gradient, one factor a zero or a small constant tensor:
+    keep its node if it may be a term over ZeRO-3 parameters (the factor's value is read at backward)."""
+    import torch
+
+    if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward: not a term of the loss
+        return
+    node = out.grad_fn
+    if node is None or not _candidate(node) or _direct_zero3_params(node) is None:
+        return
+    nodes = _noted_nodes()
+    if len(nodes) >= _MAX_NOTED:
+        del nodes[0]
+        _noted.overflow = True
+    nodes.append(node)
+
+
+def _check(out, self, other) -> None:
+    """After a multiplication ``self * other`` whose result ``out`` needs a gradient: note ``out`` if a factor is
+    a zero number, or a small constant tensor without grad beside one with grad (its values are read at
+    backward).  Never raises: a failure here makes the next backward walk the whole graph."""
+    try:
+        cls = other.__class__
+        if cls is float or cls is int:
+            if other == 0:
+                _note(out)
+        else:
+            factor = other if self.requires_grad else self  # the factor without grad
+            if isinstance(factor, _tensor_cls[0]) and not factor.requires_grad \
+                    and 0 < factor.numel() <= _MAX_FACTOR_ELEMENTS:
+                _note(out)
+    except Exception:  # zeroshim's own check never changes the multiplication; this graph is walked instead
+        _noted.overflow = True
+
+
+def _watch(original, attr: str):
+    """A wrapper of ``Tensor.<attr>`` (a multiplication) that calls the original, then :func:`_check` where the
+    result needs a gradient (in a training forward both factors usually do: two attribute reads more)."""
+    from zeroshim import _timing
+
+    replaced, original = original, _timing.original(original)  # benchmark mode: torch's time is not zeroshim's
+    tensor_cls = _tensor_cls[0]
+    if attr.startswith("__"):  # operators: one positional operand, the fast path (every ``*`` of a forward)
+        def multiply(self, other):
+            out = original(self, other)
+            if out.__class__ is tensor_cls and out.requires_grad:
+                cls = other.__class__
+                if cls is float or cls is int:
+                    if other == 0:
+                        _check(out, self, other)
+                elif not (self.requires_grad and getattr(other, "requires_grad", True)):
+                    _check(out, self, other)
+            return out
+    else:  # Tensor.mul / mul_: ``other`` may be passed by keyword
+        def multiply(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            if out.__class__ is tensor_cls and out.requires_grad:
+                _check(out, self, args[0] if args else kwargs.get("other"))
+            return out
+
+    multiply.__name__ = attr
+    multiply.__qualname__ = "Tensor." + attr
+    multiply.__doc__ = getattr(replaced, "__doc__", None)
+    multiply.__wrapped__ = replaced
+    return multiply
+
+
+def _install(patcher: Patcher) -> None:
+    """Wrap torch's multiplication methods (once per process, while the patch is applied)."""
+    import torch
+
+    with _install_lock:
+        if _installed:
+            return
+        _tensor_cls[0] = torch.Tensor
+        for attr in _WRAPPED:
+            patcher.set(torch.Tensor, attr, _watch(getattr(torch.Tensor, attr), attr))
+        _installed.append(True)
+    _log.log.debug("zeroshim[%s]: torch.Tensor's %s are watched for zero-weighted terms from now on", NAME,
+                   ", ".join(_WRAPPED))
+
+
+def _take_noted(root) -> "list | None":
+    """This thread's noted nodes that may belong to ``root``'s graph (built no later than ``root``); later ones are
+    kept for a later backward.  None where nodes were lost (overflow): walk the whole graph."""
+    nodes, overflow = _noted_nodes(), getattr(_noted, "overflow", False)
+    _noted.overflow = False
+    limit = root._sequence_nr()
+    mine = [node for node in nodes if node._sequence_nr() <= limit]
+    nodes[:] = [node for node in nodes if node._sequence_nr() > limit]
+    return None if overflow else mine
+
+
+def _strip_noted(nodes, cuts: dict, hooked: list, fired: set) -> int:
+    cut = 0
+    for node in nodes:
+        params = _zero_term_params(node)
+        if params:
+            def cut_here(grad_outputs, key=id(node)):
+                fired.add(key)
+                return _undefined(grad_outputs)
+            hooked.append((node, node.register_prehook(cut_here)))
+            for p in params:
+                cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
+            cut += 1
+    return cut
+
+
+def _strip_for(engine, loss, retain_graph: bool):
+    """Cut ``loss``'s zero-weighted terms for ``engine``'s backward: from the noted nodes, or by the walk (an
+    engine's first backward, an engine whose terms were not all noted, a lost note).  Returns the number cut and
+    what to run after the backward (or None)."""
+    root = getattr(loss, "grad_fn", None)
+    if root is None:
+        return 0, None
+    if not _installed and _applied:  # engine built before zeroshim was applied: watch from now on
+        _install(_applied[0])
+        noted = None
+    else:
+        noted = _take_noted(root) if _installed else None
+    mode = _mode.get(engine)
+    if noted is not None and mode == _BUILT:
+        key = id(engine)
+        cuts = _cut_params[key] = {}
+        hooked: list = []
+        fired: set = set()
+        try:
+            cut = _strip_noted(noted, cuts, hooked, fired)
+        except BaseException:  # a failure half-way cuts nothing (issue #47 item 3)
+            for _, handle in hooked:
+                handle.remove()
+            _cut_params.pop(key, None)
+            raise
+        if not cut:
+            _cut_params.pop(key, None)
+        stats["backward_calls_noted"] += 1
+
+        def after():
+            # A node this backward did not reach belongs to another loss (built earlier, backwarded later): its cut
+            # is undone and it waits for that backward; with retain_graph the graph may be backwarded again.
+            keep = [node for node, handle in hooked if retain_graph or id(node) not in fired]
+            for node, handle in hooked:
+                if retain_graph or id(node) not in fired:
+                    handle.remove()
+            _noted_nodes()[:0] = keep
+        return cut, (after if hooked else None)
+    walked: list = []
+    cut = strip_zero_terms(loss, engine, walked)
+    stats["backward_calls_walked"] += 1
+    if noted is not None and mode is None:  # the first backward: were the walk's terms all noted?
+        seen = set(noted)
+        missed = [node for node in walked if node not in seen]
+        _mode[engine] = _WALK if missed else _BUILT
+        if missed:
+            stats["engines_walking"] += 1
+            _log.info("zeroshim[%s]: %d zero-weighted term(s) of this engine's loss were built by an operation "
+                      "zeroshim does not watch (it watches Tensor *, *=, mul and mul_; not torch.mul); it walks "
+                      "this engine's whole backward graph before every backward instead (a few ms a step on a "
+                      "large model)", NAME, len(missed), scope=_log.EVERY, once=(NAME, "walks"))
+    return cut, None
+
+
 # -- wrappers -------------------------------------------------------------------------
 def _engine_backward(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngine.backward(loss, ...)`` (``loss`` positional or keyword)."""
-    cut = 0
+    cut, after = 0, None
     with guard(NAME):
         loss = args[0] if args else kwargs.get("loss")
         if is_active(NAME) and loss is not None and instance.zero_optimization_stage() == 3:
-            cut = strip_zero_terms(loss, instance)
+            cut, after = _strip_for(instance, loss, bool(kwargs.get("retain_graph")))
             stats["stripped"] += cut
-            stats["backward_calls_walked"] += 1
             if cut and instance not in _announced:
                 _announced.add(instance)
                 _log.acted(NAME, "cut %d zero-weighted loss term(s) over ZeRO-3 partitioned parameters out of "
@@ -343,19 +553,49 @@ def _engine_backward(wrapped, instance, args, kwargs):
     finally:
         if cut:
             _cut_params.pop(id(instance), None)
+        if after is not None:
+            with guard(NAME):
+                after()
+
+
+def _reduce_ready_act(param) -> "tuple":
+    """Inside a backward that cut terms: (skip, param).  A parameter whose only gradient path was a cut term
+    (its ``grad`` None) is not reduced where it is a placeholder, and reduces zeros where it is gathered."""
+    with guard(NAME):
+        what = _what(param) if param.grad is None else None
+        if what is not None and (what == _SKIP or _is_placeholder(param)):  # _ZERO released since: skip
+            return True  # its only gradient path was a stripped zero term: as if the hook had not fired
+        if what == _ZERO and not _is_placeholder(param):
+            stats["zero_filled"] += 1
+            param.grad = param.data.new_zeros(param.data.shape)  # what 0 * term sends it
+    return False
 
 
 def _reduce_ready(wrapped, instance, args, kwargs):
-    if not _cut_params:  # nothing was cut in this backward (every step of a run without such terms): no checks
-        return wrapped(*args, **kwargs)
-    with guard(NAME):
-        what = _what(args[0]) if args and args[0].grad is None else None
-        if what is not None and (what == _SKIP or _is_placeholder(args[0])):  # _ZERO released since: skip
-            return None  # its only gradient path was a stripped zero term: as if the hook had not fired
-        if what == _ZERO and not _is_placeholder(args[0]):
-            stats["zero_filled"] += 1
-            args[0].grad = args[0].data.new_zeros(args[0].data.shape)  # what 0 * term sends it
+    """Wraps ``DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads(param)`` where it is not a
+    plain function (see :func:`_reduce_ready_replacement`)."""
+    if _cut_params and args and _reduce_ready_act(args[0]):
+        return None
     return wrapped(*args, **kwargs)
+
+
+def _reduce_ready_replacement(original):
+    """The same as a plain function in place of DeepSpeed's per-parameter gradient hook (``Patcher.wrap_hot``):
+    about 290 calls a step on a 32-layer model, where a wrapt wrapper costs three times as much a call
+    (benchmarks/RESULTS.md section 57)."""
+    from zeroshim import _timing
+
+    call = _timing.original(original)  # benchmark mode: DeepSpeed's time is not zeroshim's
+
+    def reduce_ready_partitions_and_remove_grads(self, param, *args, **kwargs):
+        # nothing was cut in this backward (every step of a run without such terms): no checks
+        if _cut_params and _reduce_ready_act(param):
+            return None
+        return call(self, param, *args, **kwargs)
+
+    reduce_ready_partitions_and_remove_grads.__qualname__ = getattr(original, "__qualname__", "")
+    reduce_ready_partitions_and_remove_grads.__doc__ = getattr(original, "__doc__", None)
+    return reduce_ready_partitions_and_remove_grads
 
 
 # -- applying -------------------------------------------------------------------------
@@ -367,15 +607,39 @@ def patch_engine(module, patcher: Patcher) -> None:
     patcher.wrap(engine_cls, "backward", _engine_backward)
 
 
+def _make_stage3_init(patcher: Patcher):
+    def stage3_init(wrapped, instance, args, kwargs):
+        """Wraps ``DeepSpeedZeroOptimizer_Stage3.__init__``: torch's multiplication methods are watched from the
+        first ZeRO-3 optimizer on, before its engine's first forward."""
+        with guard(NAME):
+            if is_active(NAME):
+                _install(patcher)
+        return wrapped(*args, **kwargs)
+    return stage3_init
+
+
 def patch_stage3(module, patcher: Patcher) -> None:
+    import torch
+
     cls = getattr(module, "DeepSpeedZeroOptimizer_Stage3", None)
     require(cls is not None, "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 does not exist")
     require_attr(cls, "reduce_ready_partitions_and_remove_grads")
-    patcher.wrap(cls, "reduce_ready_partitions_and_remove_grads", _reduce_ready)
+    require_attr(cls, "__init__")
+    for attr in _WRAPPED:
+        require_attr(torch.Tensor, attr)
+    require(callable(getattr(torch._C, "_current_graph_task_id", None)),
+            "torch._C._current_graph_task_id does not exist")
+    patcher.wrap_hot(cls, "reduce_ready_partitions_and_remove_grads", _reduce_ready, _reduce_ready_replacement)
+    patcher.wrap(cls, "__init__", _make_stage3_init(patcher))
+    _applied[:] = [patcher]
 
 
 def _forget() -> None:
     _cut_params.clear()
+    _mode.clear()
+    _installed.clear()
+    _applied.clear()
+    _noted.__dict__.clear()  # this thread's notes (another thread's are dropped at its next backward)
 
 
 PATCH = Patch(

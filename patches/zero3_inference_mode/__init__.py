@@ -81,42 +81,75 @@ from zeroshim._patcher import Patcher, guard, require_attr, require_params
 NAME = "zero3_inference_mode"
 #: fetches / gathers: coordinator fetches and Init._all_gather calls run with inference mode off because it was on
 stats = {"fetches": 0, "gathers": 0}
+# torch.is_inference_mode_enabled, bound when the patch is applied (the check runs on every module fetch)
+_inference_mode_enabled = None
+
+
+def _outside(call, counter: str, args, kwargs):
+    """Inference mode is on: run ``call`` with it (and grad) off, if the patch is active."""
+    act = False
+    with guard(NAME):
+        act = is_active(NAME)
+        if act:
+            stats[counter] += 1
+            _log.acted(NAME, "gathered ZeRO-3 parameters inside torch.inference_mode() as normal tensors (the "
+                             "same values)", "ZeRO-3 keeps some gathered after that forward, and as inference "
+                             "tensors they would make a training forward after it fail")
+    if not act:
+        return call(*args, **kwargs)
+    import torch
+
+    with torch.inference_mode(False), torch.no_grad():
+        return call(*args, **kwargs)
 
 
 def _outside_inference_mode(counter: str):
-    """A wrapper that runs its target with inference mode (and grad) off where inference mode is on."""
+    """A wrapt wrapper that runs its target with inference mode (and grad) off where inference mode is on."""
     def wrapper(wrapped, instance, args, kwargs):
-        import torch
-
-        if not torch.is_inference_mode_enabled():  # every fetch of a training step: one check
+        if not _inference_mode_enabled():  # one check
             return wrapped(*args, **kwargs)
-        act = False
-        with guard(NAME):
-            act = is_active(NAME)
-            if act:
-                stats[counter] += 1
-                _log.acted(NAME, "gathered ZeRO-3 parameters inside torch.inference_mode() as normal tensors (the "
-                                 "same values)", "ZeRO-3 keeps some gathered after that forward, and as inference "
-                                 "tensors they would make a training forward after it fail")
-        if not act:
-            return wrapped(*args, **kwargs)
-        with torch.inference_mode(False), torch.no_grad():
-            return wrapped(*args, **kwargs)
+        return _outside(wrapped, counter, args, kwargs)
 
     return wrapper
+
+
+def _fetch_replacement(original):
+    """The same as a plain function in place of ``fetch_sub_module`` (``Patcher.wrap_hot``): it runs on every
+    module fetch, about 850 a step on a 32-layer model (benchmarks/RESULTS.md section 57)."""
+    from zeroshim import _timing
+
+    call = _timing.original(original)  # benchmark mode: DeepSpeed's time is not zeroshim's
+
+    def fetch_sub_module(self, *args, **kwargs):
+        if not _inference_mode_enabled():  # every fetch of a training step: one check
+            return call(self, *args, **kwargs)
+        return _outside(call, "fetches", (self,) + args, kwargs)
+
+    fetch_sub_module.__qualname__ = getattr(original, "__qualname__", "fetch_sub_module")
+    fetch_sub_module.__doc__ = getattr(original, "__doc__", None)
+    return fetch_sub_module
 
 
 _fetch_sub_module = _outside_inference_mode("fetches")
 _all_gather = _outside_inference_mode("gathers")
 
 
+def _bind() -> None:
+    global _inference_mode_enabled
+    import torch
+
+    _inference_mode_enabled = require_attr(torch, "is_inference_mode_enabled")
+
+
 def patch_coordinator(module, patcher: Patcher) -> None:
+    _bind()
     cls = require_attr(module, "PartitionedParameterCoordinator")
     require_params(require_attr(cls, "fetch_sub_module"), "current_submodule", "forward")
-    patcher.wrap(cls, "fetch_sub_module", _fetch_sub_module)
+    patcher.wrap_hot(cls, "fetch_sub_module", _fetch_sub_module, _fetch_replacement)
 
 
 def patch_partition_parameters(module, patcher: Patcher) -> None:
+    _bind()
     cls = require_attr(module, "Init")
     require_params(require_attr(cls, "_all_gather"), "param_list")
     patcher.wrap(cls, "_all_gather", _all_gather)
