@@ -67,6 +67,8 @@ class Recording(_patcher.Patcher):
         require_attr(owner, attr)
     def set(self, owner, attr, value):  # may create the name: no requirement
         pass
+    def wrap_hot(self, owner, attr, wrapper, replacement):  # replaces what is there: as wrap
+        require_attr(owner, attr)
 
 patches = load_patches()
 for patch in patches.values():  # imported first: importing one applies the real patches that target it

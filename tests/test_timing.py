@@ -52,3 +52,36 @@ def test_off_by_default_and_bad_values_leave_it_off_loudly():
     assert (enabled, seconds) == ("False", "-1")
     (enabled, seconds), err = run("maybe")
     assert (enabled, seconds) == ("False", "-1") and "ZEROSHIM_TIMING='maybe' cannot be read" in err, err
+
+
+REPLACEMENT = r"""
+import time
+from zeroshim import _timing
+from zeroshim._patcher import Patcher
+
+class Target:
+    def work(self):
+        time.sleep(1.0)                       # what the replacement replaces: not zeroshim's
+
+call = _timing.original(Target.work)
+
+def work(self):
+    time.sleep(0.05)                          # zeroshim's own time
+    return call(self)
+
+Patcher("demo").set(Target, "work", work)
+Target().work()
+entry = _timing.report()["demo"]
+bias = _timing.bias(2000)
+print(round(entry["seconds"], 2), entry["calls"], entry["function_calls"], 0 < bias["wrapper"] < 1e-3,
+      0 < bias["function"] < 1e-3, "demo" in _timing.report() and len(_timing.report()) == 1)
+"""
+
+
+def test_a_replacement_counts_its_own_time_less_what_it_replaced_and_the_bias_is_small():
+    env = clean_env(ZEROSHIM_TIMING="1")
+    proc = subprocess.run([sys.executable, "-c", REPLACEMENT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seconds, calls, function_calls, *flags = proc.stdout.split()
+    assert 0.05 <= float(seconds) < 1.0 and (calls, function_calls) == ("1", "1"), proc.stdout
+    assert flags == ["True", "True", "True"], proc.stdout

@@ -138,10 +138,16 @@ class Patcher:
         (:meth:`set`), which costs a third of a wrapt wrapper a call; else (inherited, or already wrapped,
         by zeroshim or anyone) :meth:`wrap` it with ``wrapper``.  Both must do the same."""
         current = vars(owner).get(attr) if hasattr(owner, "__dict__") else None
+        if is_patched_by(current, self.patch_name):
+            return current
         if type(current).__name__ != "function":
             return self.wrap(owner, attr, wrapper)
-        value = replacement(current)
-        value.__wrapped__ = current  # get_original(), and the zeroshim tests' "wrapped once"
+        import functools
+
+        # its name, and what the function carries (__wrapped__ for get_original(); a decorator's marks, such as
+        # torch.compiler.disable's, which DeepSpeed puts on some of these)
+        value = functools.update_wrapper(replacement(current), current)
+        value._zeroshim_patch = self.patch_name  # is_patched_by()
         self.set(owner, attr, value)
         return value
 
@@ -212,7 +218,11 @@ class Patcher:
 
 
 def is_patched_by(obj: Any, patch_name: Optional[str] = None) -> bool:
-    """True if ``obj`` is a zeroshim wrapper (of ``patch_name``, if given)."""
+    """True if ``obj`` is a zeroshim wrapper, or a replacement put by :meth:`Patcher.wrap_hot` (of
+    ``patch_name``, if given)."""
+    if type(obj).__name__ == "function":
+        tag = getattr(obj, "_zeroshim_patch", None)
+        return tag is not None and (patch_name is None or tag == patch_name)
     if "wrapt" not in sys.modules:
         return False
     import wrapt

@@ -66,19 +66,24 @@ Fix
     kept per engine, so two engines backwarding in threads (RLHF) keep theirs.
 
     Finding the terms without walking every step: walking the whole graph
-    costs a few milliseconds a step on a 32-layer model.  So from the first
-    ZeRO-3 optimizer built on, ``torch.Tensor``'s ``*`` (``__mul__``,
-    ``__rmul__``, ``__imul__``), ``mul`` and ``mul_`` are wrapped: a
-    multiplication whose result needs a gradient and whose factor is a zero
-    number or a small tensor without grad is noted, per thread, if it reaches
-    ZeRO-3 parameters directly; ``engine.backward`` looks at the noted terms
-    only.  An engine's first backward also walks the whole graph and
-    compares: a term built another way (``torch.mul``, C++ code) makes that
-    engine walk every backward, as before (said once at INFO).  A term that
-    appears only after the first step and is built another way is not found:
-    backward fails as it does upstream.  The wrapped methods cost about half a
-    microsecond a multiplication where nothing is noted (``torch.compile``
-    traces through them).
+    costs milliseconds a step on a 32-layer model.  So from the first
+    ZeRO-3 optimizer built on, ``torch.Tensor``'s ``*`` and ``*=`` operators
+    (``__mul__``, ``__rmul__``, ``__imul__``) are plain functions that call
+    torch's: a product whose result needs a gradient and whose factor is a
+    zero number or a small tensor without grad (read at once on the CPU) is
+    noted, per thread, where it may reach ZeRO-3 parameters directly (a check
+    of at most 32 nodes); ``engine.backward`` looks at the noted terms only.
+    An engine's first backward also walks the whole graph and compares: a
+    term built another way (``torch.mul``, ``Tensor.mul``, C++ code) makes
+    that engine walk every backward, as before (said once at INFO).  A term
+    that first appears after the first backward and is built another way is
+    not found: backward fails as it does upstream.  A noted term that a
+    backward does not reach waits for a later one (two losses backwarded in
+    reverse order), for two backwards at most.  ``Tensor.mul`` and ``mul_``
+    stay torch's own: torch hands them, looked up by name, to
+    ``__torch_function__`` handlers and ``torch.fx``.  Cost where nothing is
+    noted: about 0.4 µs a product whose factors both need grad, 0.8 µs one
+    with a constant factor (benchmarks/RESULTS.md section 57).
 
     The loss *value*: such a term is evaluated on whatever the parameters are
     when it is built; on an empty placeholder ``p.sum()`` gives 0 but
@@ -233,7 +238,7 @@ def _gathered_for_good(param) -> bool:
     return bool(getattr(param, "ds_persist", False)) and not _is_placeholder(param)
 
 
-def _zero_term_params(node):
+def _zero_term_params(node, memo: "dict | None" = None):
     """The ZeRO-3 parameters a zero-weighted term rooted at ``node`` reaches
     directly (see :func:`_direct_zero3_params`), unless every one of them is
     :func:`_gathered_for_good`: such a term is no bug (its gradient has their
@@ -243,7 +248,7 @@ def _zero_term_params(node):
         return None
     if type(node).__name__ == "MulBackward1" and not _factor_is_zero(node):  # a number, free to read
         return None
-    params = _direct_zero3_params(node)
+    params = _direct_zero3_params(node, memo)
     if not params or all(_gathered_for_good(p) for p in params):
         return None
     return params if type(node).__name__ == "MulBackward1" or _factor_is_zero(node) else None
@@ -254,17 +259,21 @@ def _is_deepspeed_hook_node(node) -> bool:
     return forward_cls is not None and getattr(forward_cls, "__module__", "").startswith("deepspeed")
 
 
-def _direct_zero3_params(node):
+def _direct_zero3_params(node, memo: "dict | None" = None):
     """ZeRO-3 parameters reached from ``node`` without passing DeepSpeed's
     module hooks.  A branch that meets a hook node went through a module's
     forward, where its parameters were gathered: it is not followed.  So
     ``loss * 0`` through the model reaches none (nothing to fix), and a mixed
     term such as ``(out.sum() + sum(p.sum() for p in ps)) * 0`` reaches the
-    ``ps`` (and is cut whole: zero times anything contributes nothing)."""
+    ``ps`` (and is cut whole: zero times anything contributes nothing).
+    ``memo`` (one per backward): ``memo["none"]`` holds the nodes of earlier
+    searches that found nothing, which reach no such parameter either (so
+    many notes over one large graph cost one walk of it, not one each)."""
+    empty = memo.setdefault("none", set()) if memo is not None else ()
     params, seen, stack = [], set(), [node]
     while stack:
         current = stack.pop()
-        if current is None or current in seen:
+        if current is None or current in seen or current in empty:
             continue
         seen.add(current)
         if _is_deepspeed_hook_node(current):
@@ -275,6 +284,8 @@ def _direct_zero3_params(node):
                 params.append(variable)
             continue
         stack.extend(fn for fn, _ in current.next_functions)
+    if not params and memo is not None:
+        empty.update(seen)
     return params or None
 
 
@@ -282,17 +293,18 @@ def _undefined(grad_outputs):
     return tuple(None for _ in grad_outputs)
 
 
-def strip_zero_terms(loss, engine=None, cut_nodes: "list | None" = None) -> int:
+def strip_zero_terms(loss, engine=None, cut_nodes: "list | None" = None, visited: "set | None" = None) -> int:
     """Cut the zero-weighted terms of ``loss``'s graph that reach ZeRO-3
     parameters directly, walking the whole graph; returns how many were cut
-    (their nodes are appended to ``cut_nodes`` if given).  What each cut means
+    (their nodes are appended to ``cut_nodes`` if given; the nodes visited are
+    added to ``visited``).  What each cut means
     for its parameters is kept for ``engine``'s backward (replacing that
     engine's previous one)."""
     key = id(engine) if engine is not None else None
     cuts = _cut_params[key] = {}
     handles = []
     try:
-        cut = _strip(loss, cuts, handles, cut_nodes)
+        cut = _strip(loss, cuts, handles, cut_nodes, visited)
     except BaseException:  # a failure half-way cuts nothing (issue #47 item 3): the backward runs unchanged
         for handle in handles:
             handle.remove()
@@ -303,7 +315,7 @@ def strip_zero_terms(loss, engine=None, cut_nodes: "list | None" = None) -> int:
     return cut
 
 
-def _strip(loss, cuts: dict, handles: list, cut_nodes: "list | None" = None) -> int:
+def _strip(loss, cuts: dict, handles: list, cut_nodes: "list | None" = None, visited: "set | None" = None) -> int:
     root = getattr(loss, "grad_fn", None)
     if root is None:
         return 0
@@ -334,96 +346,132 @@ def _strip(loss, cuts: dict, handles: list, cut_nodes: "list | None" = None) -> 
             if fn is not None and fn not in seen:
                 add(fn)
                 push(fn)
+    if visited is not None:
+        visited.update(seen)
     return cut
 
 
 # -- finding the terms when they are built (issue #47 item 8) ---------------------------
 # The walk above visits every node of the backward graph: a few milliseconds a step on a 32-layer model
-# (benchmarks/RESULTS.md sections 27 and 57).  Once a ZeRO-3 optimizer exists, torch's multiplication methods
-# note each zero multiplication that needs a gradient and reaches ZeRO-3 parameters directly when it is built;
+# (benchmarks/RESULTS.md sections 27 and 57).  Once a ZeRO-3 optimizer exists, torch's multiplication operators
+# note each zero multiplication that needs a gradient and may reach ZeRO-3 parameters directly when it is built;
 # engine.backward then looks at those nodes only.  An engine's first backward walks the whole graph as well and
-# compares: a term the walk cut that was not noted (built by an operation not wrapped here, such as torch.mul)
-# makes that engine walk every backward, as before.
-_WRAPPED = ("__mul__", "__rmul__", "__imul__", "mul", "mul_")
-# per thread: "nodes", the terms noted since this thread's last engine backward; "overflow": more than
-# _MAX_NOTED were noted (the oldest were dropped), so the next backward walks the whole graph
+# compares: a term the walk cut that was not noted (built by an operation not watched here: torch.mul, Tensor.mul,
+# C++ code) makes that engine walk every backward, as before.  Only the operators are wrapped: torch passes
+# Tensor.mul / mul_ (looked up by name) to __torch_function__ handlers and torch.fx, so those stay torch's own.
+_WRAPPED = ("__mul__", "__rmul__", "__imul__")
+# A note is [node, backwards it was passed over by]: a term that a backward did not reach belongs to another loss,
+# built earlier and backwarded later (two losses backwarded in reverse order); it waits for _MAX_PASSES backwards
+# at most, so a loss never backwarded (an evaluation with grad on) does not keep its graph alive for long.
+_MAX_PASSES = 2
+_MAX_NOTED = 256  # per thread; past it the oldest notes are dropped and the next backward walks the whole graph
+_BUDGET = 32  # nodes a multiplication's own check may visit when it is built (the rest waits for the backward)
+
+
+class _Notes(list):
+    """One thread's notes (``overflow``: notes were lost, the next backward walks the whole graph)."""
+    overflow = False
+
+
 _noted = threading.local()
-_MAX_NOTED = 256
+_all_notes: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # id -> every thread's _Notes (_forget)
 _BUILT, _WALK = "built", "walk"
 # engine -> _BUILT (its first backward's walk found nothing that was not noted) or _WALK
 _mode: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_installed: list = []  # [True] once the multiplication methods are wrapped (by _install, under _install_lock)
-_tensor_cls: list = [None]  # torch.Tensor, bound at install (a multiplication's plain result)
-_applied: list = []  # this patch's Patcher while applied (the methods are wrapped later, at a ZeRO-3 optimizer)
+_installed: list = []  # [True] once the multiplication operators are wrapped (by _install, under _install_lock)
+_tensor_cls: list = [None]  # torch.Tensor, bound at install
+_applied: list = []  # this patch's Patcher while applied (the operators are wrapped later, at a ZeRO-3 optimizer)
 _install_lock = threading.Lock()
+_retain_position: dict = {}  # DeepSpeedEngine.backward's function -> the position of retain_graph in its arguments
 
 
-def _noted_nodes() -> list:
-    nodes = getattr(_noted, "nodes", None)
-    if nodes is None:
-        nodes = _noted.nodes = []
-    return nodes
+def _notes() -> _Notes:
+    notes = getattr(_noted, "notes", None)
+    if notes is None:
+        notes = _noted.notes = _Notes()
+        _all_notes[id(notes)] = notes
+    return notes
 
 
-def _note(out) -> None:
-    """``out`` is a multiplication's result that needs a gradient, one factor a zero or a small constant tensor:
-    keep its node if it may be a term over ZeRO-3 parameters (the factor's value is read at backward)."""
+def _may_reach_zero3(node) -> bool:
+    """The check made when a multiplication is built, at most ``_BUDGET`` nodes: False only where the term's side
+    is known to reach no ZeRO-3 parameter directly (every branch ended, or met DeepSpeed's module hooks)."""
+    seen, stack = set(), [node]
+    while stack:
+        if len(seen) >= _BUDGET:
+            return True  # not known yet: noted, and the backward decides
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if _is_deepspeed_hook_node(current):
+            continue
+        variable = getattr(current, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            if hasattr(variable, "ds_id"):
+                return True
+            continue
+        stack.extend(fn for fn, _ in current.next_functions)
+    return False
+
+
+def _note(out, factor) -> None:
+    """``out`` is a multiplication's result that needs a gradient, ``factor`` a zero number or a small tensor
+    without grad: keep its node if it may be a term over ZeRO-3 parameters."""
     import torch
 
     if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward: not a term of the loss
         return
+    if isinstance(factor, torch.Tensor) and factor.device.type == "cpu" and bool(factor.any()):
+        return  # a CPU factor is read now, without a device sync: not zero, no term (a device factor: at backward)
     node = out.grad_fn
-    if node is None or not _candidate(node) or _direct_zero3_params(node) is None:
+    if node is None or not _candidate(node) or not _may_reach_zero3(node):
         return
-    nodes = _noted_nodes()
-    if len(nodes) >= _MAX_NOTED:
-        del nodes[0]
-        _noted.overflow = True
-    nodes.append(node)
+    notes = _notes()
+    if len(notes) >= _MAX_NOTED:
+        del notes[0]
+        notes.overflow = True
+    notes.append([node, 0])
 
 
 def _check(out, self, other) -> None:
-    """After a multiplication ``self * other`` whose result ``out`` needs a gradient: note ``out`` if a factor is
-    a zero number, or a small constant tensor without grad beside one with grad (its values are read at
-    backward).  Never raises: a failure here makes the next backward walk the whole graph."""
+    """After ``self * other`` whose result ``out`` needs a gradient, where ``other`` is not a float, an int nor a
+    tensor with grad beside ``self`` with grad: note ``out`` if a factor is a zero number (a NumPy scalar too) or a
+    small tensor without grad.  Never raises: a failure here makes the next backward walk the whole graph."""
+    import numbers
+
     try:
-        cls = other.__class__
-        if cls is float or cls is int:
-            if other == 0:
-                _note(out)
-        else:
-            factor = other if self.requires_grad else self  # the factor without grad
-            if isinstance(factor, _tensor_cls[0]) and not factor.requires_grad \
-                    and 0 < factor.numel() <= _MAX_FACTOR_ELEMENTS:
-                _note(out)
+        tensor_cls = _tensor_cls[0]
+        if not isinstance(other, tensor_cls):
+            if isinstance(other, numbers.Number) and not isinstance(other, bool) and other == 0:
+                _note(out, other)
+            return
+        factor = other if self.requires_grad else self  # the factor without grad
+        if not factor.requires_grad and 0 < factor.numel() <= _MAX_FACTOR_ELEMENTS:
+            _note(out, factor)
     except Exception:  # zeroshim's own check never changes the multiplication; this graph is walked instead
-        _noted.overflow = True
+        _notes().overflow = True
 
 
 def _watch(original, attr: str):
-    """A wrapper of ``Tensor.<attr>`` (a multiplication) that calls the original, then :func:`_check` where the
-    result needs a gradient (in a training forward both factors usually do: two attribute reads more)."""
+    """A plain function in place of ``Tensor.<attr>`` (a multiplication operator): the original, then, where the
+    result needs a gradient, a look at the factors (in a training forward both usually need grad: two attribute
+    reads more)."""
     from zeroshim import _timing
 
-    replaced, original = original, _timing.original(original)  # benchmark mode: torch's time is not zeroshim's
+    replaced, call = original, _timing.original(original)  # benchmark mode: torch's time is not zeroshim's
     tensor_cls = _tensor_cls[0]
-    if attr.startswith("__"):  # operators: one positional operand, the fast path (every ``*`` of a forward)
-        def multiply(self, other):
-            out = original(self, other)
-            if out.__class__ is tensor_cls and out.requires_grad:
-                cls = other.__class__
-                if cls is float or cls is int:
-                    if other == 0:
-                        _check(out, self, other)
-                elif not (self.requires_grad and getattr(other, "requires_grad", True)):
+
+    def multiply(self, other):
+        out = call(self, other)
+        if out.__class__ is tensor_cls and out.requires_grad:
+            cls = other.__class__
+            if cls is float or cls is int:
+                if other == 0:
                     _check(out, self, other)
-            return out
-    else:  # Tensor.mul / mul_: ``other`` may be passed by keyword
-        def multiply(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            if out.__class__ is tensor_cls and out.requires_grad:
-                _check(out, self, args[0] if args else kwargs.get("other"))
-            return out
+            elif not (self.requires_grad and isinstance(other, tensor_cls) and other.requires_grad):
+                _check(out, self, other)
+        return out
 
     multiply.__name__ = attr
     multiply.__qualname__ = "Tensor." + attr
@@ -433,12 +481,12 @@ def _watch(original, attr: str):
 
 
 def _install(patcher: Patcher) -> None:
-    """Wrap torch's multiplication methods (once per process, while the patch is applied)."""
+    """Wrap torch's multiplication operators (once per process, while the patch is applied by ``patcher``)."""
     import torch
 
     with _install_lock:
-        if _installed:
-            return
+        if _installed or not _applied or _applied[0] is not patcher or not is_active(NAME):
+            return  # already, or the patch was undone meanwhile
         _tensor_cls[0] = torch.Tensor
         for attr in _WRAPPED:
             patcher.set(torch.Tensor, attr, _watch(getattr(torch.Tensor, attr), attr))
@@ -447,36 +495,62 @@ def _install(patcher: Patcher) -> None:
                    ", ".join(_WRAPPED))
 
 
-def _take_noted(root) -> "list | None":
-    """This thread's noted nodes that may belong to ``root``'s graph (built no later than ``root``); later ones are
-    kept for a later backward.  None where nodes were lost (overflow): walk the whole graph."""
-    nodes, overflow = _noted_nodes(), getattr(_noted, "overflow", False)
-    _noted.overflow = False
+def _take_notes(root) -> "list | None":
+    """This thread's notes that may belong to ``root``'s graph (built no later than ``root``); later ones stay for a
+    later backward.  None where notes were lost (overflow): walk the whole graph."""
+    notes = _notes()
+    overflow, notes.overflow = notes.overflow, False
     limit = root._sequence_nr()
-    mine = [node for node in nodes if node._sequence_nr() <= limit]
-    nodes[:] = [node for node in nodes if node._sequence_nr() > limit]
+    mine = [entry for entry in notes if entry[0]._sequence_nr() <= limit]
+    notes[:] = [entry for entry in notes if entry[0]._sequence_nr() > limit]
     return None if overflow else mine
 
 
-def _strip_noted(nodes, cuts: dict, hooked: list, fired: set) -> int:
-    cut = 0
-    for node in nodes:
-        params = _zero_term_params(node)
+def _give_back(entries, passed: bool) -> None:
+    """Put notes back for a later backward; ``passed``: this backward did not reach them (they age)."""
+    keep = []
+    for entry in entries:
+        if passed:
+            entry[1] += 1
+        if entry[1] < _MAX_PASSES:
+            keep.append(entry)
+    _notes()[:0] = keep
+
+
+def _strip_noted(entries, cuts: dict, hooked: list, fired: set) -> int:
+    cut, memo = 0, {}
+    for entry in entries:
+        node = entry[0]
+        params = _zero_term_params(node, memo)
         if params:
             def cut_here(grad_outputs, key=id(node)):
                 fired.add(key)
                 return _undefined(grad_outputs)
-            hooked.append((node, node.register_prehook(cut_here)))
+            hooked.append((entry, node.register_prehook(cut_here)))
             for p in params:
                 cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
             cut += 1
     return cut
 
 
+def _retain_graph(wrapped, args, kwargs) -> bool:
+    """``retain_graph`` of a call of ``DeepSpeedEngine.backward`` (keyword, or positional by its signature)."""
+    if "retain_graph" in kwargs:
+        return bool(kwargs["retain_graph"])
+    function = getattr(wrapped, "__func__", wrapped)
+    position = _retain_position.get(function)
+    if position is None:
+        import inspect
+
+        names = [n for n in inspect.signature(wrapped).parameters]  # bound: no self
+        position = _retain_position[function] = names.index("retain_graph") if "retain_graph" in names else -1
+    return 0 <= position < len(args) and bool(args[position])
+
+
 def _strip_for(engine, loss, retain_graph: bool):
-    """Cut ``loss``'s zero-weighted terms for ``engine``'s backward: from the noted nodes, or by the walk (an
-    engine's first backward, an engine whose terms were not all noted, a lost note).  Returns the number cut and
-    what to run after the backward (or None)."""
+    """Cut ``loss``'s zero-weighted terms for ``engine``'s backward: from the notes, or by the walk (an engine's
+    first backward, an engine whose terms were not all noted, a lost note).  Returns the number cut and what to
+    run after the backward (or None)."""
     root = getattr(loss, "grad_fn", None)
     if root is None:
         return 0, None
@@ -484,7 +558,7 @@ def _strip_for(engine, loss, retain_graph: bool):
         _install(_applied[0])
         noted = None
     else:
-        noted = _take_noted(root) if _installed else None
+        noted = _take_notes(root) if _installed else None
     mode = _mode.get(engine)
     if noted is not None and mode == _BUILT:
         key = id(engine)
@@ -497,33 +571,49 @@ def _strip_for(engine, loss, retain_graph: bool):
             for _, handle in hooked:
                 handle.remove()
             _cut_params.pop(key, None)
+            _give_back(noted, passed=False)
             raise
         if not cut:
             _cut_params.pop(key, None)
         stats["backward_calls_noted"] += 1
+        hooked_ids = {id(entry[0]) for entry, _ in hooked}
+        unhooked = [entry for entry in noted if id(entry[0]) not in hooked_ids]  # not a term here (value, shape)
 
         def after():
-            # A node this backward did not reach belongs to another loss (built earlier, backwarded later): its cut
-            # is undone and it waits for that backward; with retain_graph the graph may be backwarded again.
-            keep = [node for node, handle in hooked if retain_graph or id(node) not in fired]
-            for node, handle in hooked:
-                if retain_graph or id(node) not in fired:
+            # A hooked note this backward did not reach belongs to another loss: its cut is undone and it waits
+            # for that backward; with retain_graph the graph may be backwarded again, so every note stays.
+            again, passed = [], []
+            for entry, handle in hooked:
+                reached = id(entry[0]) in fired
+                if retain_graph or not reached:
                     handle.remove()
-            _noted_nodes()[:0] = keep
-        return cut, (after if hooked else None)
+                    (again if reached else passed).append(entry)
+            _give_back(again, passed=False)
+            _give_back(passed, passed=True)
+            if retain_graph:
+                _give_back(unhooked, passed=False)
+        return cut, after
     walked: list = []
-    cut = strip_zero_terms(loss, engine, walked)
+    visited: set = set()
+    cut = strip_zero_terms(loss, engine, walked, visited)
     stats["backward_calls_walked"] += 1
-    if noted is not None and mode is None:  # the first backward: were the walk's terms all noted?
-        seen = set(noted)
-        missed = [node for node in walked if node not in seen]
-        _mode[engine] = _WALK if missed else _BUILT
-        if missed:
-            stats["engines_walking"] += 1
-            _log.info("zeroshim[%s]: %d zero-weighted term(s) of this engine's loss were built by an operation "
-                      "zeroshim does not watch (it watches Tensor *, *=, mul and mul_; not torch.mul); it walks "
-                      "this engine's whole backward graph before every backward instead (a few ms a step on a "
-                      "large model)", NAME, len(missed), scope=_log.EVERY, once=(NAME, "walks"))
+    if noted is not None:
+        if mode is None:  # the engine's first backward: were the walk's terms all noted?
+            noted_ids = {id(entry[0]) for entry in noted}
+            missed = [node for node in walked if id(node) not in noted_ids]
+            _mode[engine] = _WALK if missed else _BUILT
+            if missed:
+                stats["engines_walking"] += 1
+                _log.info("zeroshim[%s]: %d zero-weighted term(s) of this engine's loss were built by an operation "
+                          "zeroshim does not watch (it watches the operators *, *= of tensors; not torch.mul or "
+                          "Tensor.mul); it walks this engine's whole backward graph before every backward instead "
+                          "(milliseconds a step on a large model)", NAME, len(missed), scope=_log.EVERY,
+                          once=(NAME, "walks"))
+        walked_ids = {id(node) for node in walked}
+        # notes the walk did not reach belong to another loss; with retain_graph, the cut ones are cut again
+        _give_back([e for e in noted if e[0] not in visited], passed=True)
+        if retain_graph:
+            _give_back([e for e in noted if id(e[0]) in walked_ids], passed=False)
     return cut, None
 
 
@@ -534,7 +624,7 @@ def _engine_backward(wrapped, instance, args, kwargs):
     with guard(NAME):
         loss = args[0] if args else kwargs.get("loss")
         if is_active(NAME) and loss is not None and instance.zero_optimization_stage() == 3:
-            cut, after = _strip_for(instance, loss, bool(kwargs.get("retain_graph")))
+            cut, after = _strip_for(instance, loss, _retain_graph(wrapped, args, kwargs))
             stats["stripped"] += cut
             if cut and instance not in _announced:
                 _announced.add(instance)
@@ -639,7 +729,9 @@ def _forget() -> None:
     _mode.clear()
     _installed.clear()
     _applied.clear()
-    _noted.__dict__.clear()  # this thread's notes (another thread's are dropped at its next backward)
+    for notes in list(_all_notes.values()):  # every thread's notes
+        notes.clear()
+        notes.overflow = False
 
 
 PATCH = Patch(
