@@ -71,7 +71,8 @@ def main():
 
     def watch():
         state["patcher"] = Patcher(dl.NAME)
-        dl._install(state["patcher"])
+        dl._install(state["patcher"], check=False)
+        assert dl._installed
 
     def unwatch():
         state.pop("patcher").undo()

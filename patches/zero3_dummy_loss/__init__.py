@@ -438,11 +438,11 @@ def _check(out, self, other) -> None:
     """After ``self * other`` whose result ``out`` needs a gradient, where ``other`` is not a float, an int nor a
     tensor with grad beside ``self`` with grad: note ``out`` if a factor is a zero number (a NumPy scalar too) or a
     small tensor without grad.  Never raises: a failure here makes the next backward walk the whole graph."""
-    import numbers
-
     try:
         tensor_cls = _tensor_cls[0]
         if not isinstance(other, tensor_cls):
+            import numbers
+
             if isinstance(other, numbers.Number) and not isinstance(other, bool) and other == 0:
                 _note(out, other)
             return
@@ -469,7 +469,11 @@ def _watch(original, attr: str):
             if cls is float or cls is int:
                 if other == 0:
                     _check(out, self, other)
-            elif not (self.requires_grad and isinstance(other, tensor_cls) and other.requires_grad):
+            elif isinstance(other, tensor_cls):
+                if not (self.requires_grad and other.requires_grad):  # one factor without grad: is it small?
+                    if 0 < (other if self.requires_grad else self).numel() <= _MAX_FACTOR_ELEMENTS:
+                        _check(out, self, other)
+            else:  # a NumPy scalar, a bool, ...
                 _check(out, self, other)
         return out
 
@@ -480,12 +484,13 @@ def _watch(original, attr: str):
     return multiply
 
 
-def _install(patcher: Patcher) -> None:
-    """Wrap torch's multiplication operators (once per process, while the patch is applied by ``patcher``)."""
+def _install(patcher: Patcher, check: bool = True) -> None:
+    """Wrap torch's multiplication operators (once per process, while the patch is applied by ``patcher``;
+    ``check=False``: whatever the patch's state, for the unit tests and ``benchmarks/per_call.py``)."""
     import torch
 
     with _install_lock:
-        if _installed or not _applied or _applied[0] is not patcher or not is_active(NAME):
+        if _installed or (check and (not _applied or _applied[0] is not patcher or not is_active(NAME))):
             return  # already, or the patch was undone meanwhile
         _tensor_cls[0] = torch.Tensor
         for attr in _WRAPPED:
