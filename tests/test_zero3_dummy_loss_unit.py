@@ -390,3 +390,26 @@ def test_watched_multiplications_compile(watching):
 
     compiled = torch.compile(f, backend="eager", fullgraph=True)
     assert torch.equal(compiled(a), f(a))
+
+
+def test_two_threads_keep_their_own_notes(watching):
+    """Two engines backwarding in threads (RLHF actor and critic): each thread's terms are noted for its own
+    backward, never taken by the other's."""
+    import threading
+
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def train(name, ds_id):
+        engine, p = Engine(), _zero3(ds_id=ds_id)
+        _backward(engine, (p * 2).sum())  # the engine's first backward (the walk)
+        loss = (p * 2).sum() + p.sum() * 0.0
+        barrier.wait()  # both terms noted before either backward
+        results[name] = (len(_noted()), _backward(engine, loss), z._mode[engine], len(_noted()))
+
+    threads = [threading.Thread(target=train, args=(name, i)) for i, name in enumerate(("actor", "critic"), 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == {"actor": (1, 1, z._BUILT, 0), "critic": (1, 1, z._BUILT, 0)}, results
