@@ -61,17 +61,23 @@ def timed_wrapper(name: str, wrapper):
     ``wrapped`` (and in any zeroshim wrapper nested inside it), is added to ``name``."""
 
     def timed(wrapped, instance, args, kwargs):
-        inner = [0.0]  # time in the original and in original_work blocks (added by original_work)
-        stack = _stack()
-        stack.append(inner)
-        start = perf_counter()
-        try:
-            return wrapper(_Original(wrapped), instance, args, kwargs)
-        finally:
-            _add(name, perf_counter() - start - inner[0])
-            stack.pop()
+        return _own_time(name, 0, wrapper, _Original(wrapped), instance, args, kwargs)
 
     return timed
+
+
+def _own_time(name: str, function: int, call, *args, **kwargs):
+    """``call(*args, **kwargs)``, its time less its :class:`original_work` blocks added to ``name``
+    (``function``: 1 for a replacement, 0 for a wrapper)."""
+    inner = [0.0]  # time in the original and in original_work blocks (added by original_work)
+    stack = _stack()
+    stack.append(inner)
+    start = perf_counter()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _add(name, perf_counter() - start - inner[0], function)
+        stack.pop()
 
 
 def _stack() -> list:
@@ -137,15 +143,7 @@ def timed_function(name: str, function):
 
     @functools.wraps(function)
     def timed(*args, **kwargs):
-        inner = [0.0]
-        stack = _stack()
-        stack.append(inner)
-        start = perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            _add(name, perf_counter() - start - inner[0], 1)
-            stack.pop()
+        return _own_time(name, 1, function, *args, **kwargs)
 
     # what `function` replaced, not `function` (get_original() reads __wrapped__ of a replacement; wraps() has
     # copied the rest of its __dict__, zeroshim's tag included)

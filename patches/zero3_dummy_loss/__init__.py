@@ -259,19 +259,21 @@ def _is_deepspeed_hook_node(node) -> bool:
     return forward_cls is not None and getattr(forward_cls, "__module__", "").startswith("deepspeed")
 
 
-def _direct_zero3_params(node, memo: "dict | None" = None):
-    """ZeRO-3 parameters reached from ``node`` without passing DeepSpeed's
-    module hooks.  A branch that meets a hook node went through a module's
-    forward, where its parameters were gathered: it is not followed.  So
-    ``loss * 0`` through the model reaches none (nothing to fix), and a mixed
-    term such as ``(out.sum() + sum(p.sum() for p in ps)) * 0`` reaches the
-    ``ps`` (and is cut whole: zero times anything contributes nothing).
-    ``memo`` (one per backward): ``memo["none"]`` holds the nodes of earlier
-    searches that found nothing, which reach no such parameter either (so
-    many notes over one large graph cost one walk of it, not one each)."""
-    empty = memo.setdefault("none", set()) if memo is not None else ()
-    params, seen, stack = [], set(), [node]
+_UNKNOWN = object()  # what _direct_walk yields where its budget ran out before the graph did
+
+
+def _direct_walk(node, seen: set, empty=(), budget: "int | None" = None):
+    """Yield the ZeRO-3 parameters reached from ``node`` without passing
+    DeepSpeed's module hooks (a branch that meets a hook node went through a
+    module's forward, where its parameters were gathered: it is not
+    followed), adding the nodes visited to ``seen``; nodes in ``empty`` are
+    known to reach none.  With ``budget``: once that many nodes are seen with
+    more left to visit, yield ``_UNKNOWN`` and stop."""
+    stack = [node]
     while stack:
+        if budget is not None and len(seen) >= budget:
+            yield _UNKNOWN
+            return
         current = stack.pop()
         if current is None or current in seen or current in empty:
             continue
@@ -281,12 +283,32 @@ def _direct_zero3_params(node, memo: "dict | None" = None):
         variable = getattr(current, "variable", None)  # AccumulateGrad
         if variable is not None:
             if hasattr(variable, "ds_id"):
-                params.append(variable)
+                yield variable
             continue
         stack.extend(fn for fn, _ in current.next_functions)
+
+
+def _direct_zero3_params(node, memo: "dict | None" = None):
+    """ZeRO-3 parameters reached from ``node`` without passing DeepSpeed's
+    module hooks (:func:`_direct_walk`).  So ``loss * 0`` through the model
+    reaches none (nothing to fix), and a mixed term such as ``(out.sum() +
+    sum(p.sum() for p in ps)) * 0`` reaches the ``ps`` (and is cut whole:
+    zero times anything contributes nothing).  ``memo`` (one per backward):
+    ``memo["none"]`` holds the nodes of earlier searches that found nothing,
+    which reach no such parameter either (so many notes over one large graph
+    cost one walk of it, not one each)."""
+    empty = memo.setdefault("none", set()) if memo is not None else ()
+    seen: set = set()
+    params = list(_direct_walk(node, seen, empty))
     if not params and memo is not None:
         empty.update(seen)
     return params or None
+
+
+def _record_cut(cuts: dict, params) -> None:
+    """What DeepSpeed's gradient hook does for each of a cut term's ``params`` if that term was its only path."""
+    for p in params:
+        cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
 
 
 def _undefined(grad_outputs):
@@ -336,8 +358,7 @@ def _strip(loss, cuts: dict, handles: list, cut_nodes: "list | None" = None, vis
             params = _zero_term_params(node)
             if params:
                 handles.append(node.register_prehook(_undefined))
-                for p in params:  # what the hook does if the cut term was this parameter's only path
-                    cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
+                _record_cut(cuts, params)
                 if cut_nodes is not None:
                     cut_nodes.append(node)
                 cut += 1
@@ -395,24 +416,9 @@ def _notes() -> _Notes:
 
 def _may_reach_zero3(node) -> bool:
     """The check made when a multiplication is built, at most ``_BUDGET`` nodes: False only where the term's side
-    is known to reach no ZeRO-3 parameter directly (every branch ended, or met DeepSpeed's module hooks)."""
-    seen, stack = set(), [node]
-    while stack:
-        if len(seen) >= _BUDGET:
-            return True  # not known yet: noted, and the backward decides
-        current = stack.pop()
-        if current is None or current in seen:
-            continue
-        seen.add(current)
-        if _is_deepspeed_hook_node(current):
-            continue
-        variable = getattr(current, "variable", None)  # AccumulateGrad
-        if variable is not None:
-            if hasattr(variable, "ds_id"):
-                return True
-            continue
-        stack.extend(fn for fn, _ in current.next_functions)
-    return False
+    is known to reach no ZeRO-3 parameter directly (every branch ended, or met DeepSpeed's module hooks); where the
+    budget runs out first it is noted, and the backward decides."""
+    return next(_direct_walk(node, set(), budget=_BUDGET), None) is not None
 
 
 def _note(out, factor) -> None:
@@ -532,8 +538,7 @@ def _strip_noted(entries, cuts: dict, hooked: list, fired: set) -> int:
                 fired.add(key)
                 return _undefined(grad_outputs)
             hooked.append((entry, node.register_prehook(cut_here)))
-            for p in params:
-                cuts[id(p)] = _ZERO if _gathered_for_good(p) else _SKIP
+            _record_cut(cuts, params)
             cut += 1
     return cut
 
