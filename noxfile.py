@@ -22,7 +22,7 @@
 
 Each session is its own virtual environment.  torch is an axis (``TORCH_OF``):
 2.13.0 (CPU build; on the CI machine pip takes that wheel from local disk) for
-ds0.14.1, ds0.16.9, the light tf5.0.0, ds0.18.9 and tf4.45.2, the clients and packaging; 2.14.1 for
+ds0.14.1, ds0.16.9, the light tf5.0.0, ds0.18.9, ds0.18.2 and tf4.45.2, the clients and packaging; 2.14.1 for
 ds0.19.2; 2.15.0 for ds0.19.8 (both CUDA builds from PyPI that run on the CPU).
 A tests session runs its files in 2 pytest-xdist workers (``NOX_WORKERS``).
 Where a patch's launch tests run is not listed here: tests/conftest.py derives
@@ -75,6 +75,8 @@ MATRIX = {
     # light: DeepSpeed 0.18.3-0.18.x averages bf16 ZeRO-1's fp32-accumulated gradients without the boundary
     # micro-batch (bf16_zero1_last_microbatch)
     "ds0.18.9": ["deepspeed==0.18.9", "transformers==4.57.*", "accelerate==1.15.0"],
+    # light: DeepSpeed 0.17.6-0.18.2's Muon optimizer drops the config's muon_lr and adam_lr (muon_group_lr)
+    "ds0.18.2": ["deepspeed==0.18.2", "accelerate==1.15.0"],
     # light: HF Trainer up to transformers 4.45 refuses "auto" bucket sizes for a model whose hidden size is only in
     # text_config (trainer_auto_hidden_size)
     "tf4.45.2": ["deepspeed==0.16.9", "transformers==4.45.2", "accelerate==1.15.0"],
@@ -82,7 +84,7 @@ MATRIX = {
 # Light environments (issue #43 item 5): a stack for bugs no full environment shows; each runs only the test files
 # (tests/test_<name>*.py) of the patches whose gate says affected there and whose range holds in no full environment
 # (derived in the environment itself: tests/light.py), on TORCH_DEFAULT.
-LIGHT = ("tf5.0.0", "ds0.18.9", "tf4.45.2")
+LIGHT = ("tf5.0.0", "ds0.18.9", "ds0.18.2", "tf4.45.2")
 # torch is an axis of the matrix (issue #46): the newest DeepSpeed on the newest torch, 0.19.2 (inside
 # the ranges of the most invasive patches, transformers 4.57 checkpointing reentrantly by default) on
 # the torch before it, the older releases on 2.13.0.  Each torch release thus runs the whole suite with

@@ -202,6 +202,8 @@ REQUIREMENTS = {
                               ("current_submodule", "forward")),
                              ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",
                               ("param_list",))],
+    "muon_group_lr": [("params", E, "DeepSpeedEngine._configure_basic_optimizer", ("model_parameters",)),
+                      ("attr", E, "DeepSpeedEngine.optimizer_name"), ("attr", E, "DeepSpeedEngine.optimizer_params")],
 }
 
 

@@ -54,4 +54,5 @@ PATCH_MODULES = (
     "zero3_init_arange",
     "bf16_zero1_last_microbatch",
     "zero3_inference_mode",
+    "muon_group_lr",
 )

@@ -393,30 +393,15 @@ def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
         raise AssertionError(f"the launch's child {child} outlived the timeout")
 
 
-@pytest.mark.parametrize("deepspeed, ignored", [("0.17.6", True), ("0.18.2", True), ("0.18.3", False),
-                                                ("0.19.8", False), ("0.17.5", False), (None, False)])
-def test_muon_group_rates_that_the_installed_deepspeed_ignores(deepspeed, ignored):
-    """#44 item 10: DeepSpeed has Muon from 0.17.6 and reads muon_lr/adam_lr from 0.18.3 (read in the sdists of
-    0.17.5, 0.17.6 and 0.18.0-0.18.4; not 0.18.9, as the issue says); before, the keys are dropped without a word
-    and both groups train at lr.  The boundaries are written here, not read from zeroshim._dsconfig."""
-    from zeroshim import _dsconfig
-
-    config = {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-4}},
-              "zero_optimization": {"stage": 2}}
-    cfg, _ = _dsconfig.read(config)
-    said = [f for f in _dsconfig.general_findings(cfg, deepspeed) if "Muon" in f["message"]]
-    assert bool(said) == ignored, said
-    if ignored:
-        assert said[0]["level"] == "error" and f"DeepSpeed {deepspeed} ignores it" in said[0]["message"]
-        assert "adam_lr" in said[0]["message"] and "both parameter groups train at lr (0.02)" in said[0]["message"]
-    plain = {"optimizer": {"type": "muon", "params": {"lr": 0.02}}}
-    assert not [f for f in _dsconfig.general_findings(_dsconfig.read(plain)[0], deepspeed) if "Muon" in f["message"]]
-
-
 def test_doctor_reads_the_installed_deepspeed_for_the_muon_check(tmp_path):
+    """#44 item 10: DeepSpeed has Muon from 0.17.6 and reads muon_lr/adam_lr from 0.18.3 (read in the sdists); the
+    check is patch muon_group_lr's (tests/test_muon_group_lr.py), read here through doctor on this DeepSpeed."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"optimizer": {"type": "Muon", "params": {"lr": 0.02, "muon_lr": 0.02,
                                                                           "adam_lr": 3e-4}}}))
     findings = json.loads(cli("doctor", "--json", "--config", str(path), cwd=tmp_path).stdout)["config"]["findings"]
     in_range = not ds_before("0.17.6") and ds_before("0.18.3")
-    assert any("muon_lr and adam_lr" in f["message"] for f in findings) == in_range, findings
+    said = [f for f in findings if "muon_lr and adam_lr" in f["message"]]
+    assert bool(said) == in_range, findings
+    assert all(f["patch"] == "muon_group_lr" and "zeroshim patch muon_group_lr covers this" in f["message"]
+               for f in said), said

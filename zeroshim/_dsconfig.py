@@ -106,16 +106,8 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
     return out, problems
 
 
-#: DeepSpeed releases with the Muon optimizer that do not read its per-group rates (``muon_lr``, ``adam_lr``):
-#: Muon from 0.17.6, the two keys from 0.18.3 (engine.py ``_configure_basic_optimizer``, read in the sdists of
-#: 0.17.5, 0.17.6 and 0.18.0-0.18.4)
-MUON_GROUP_RATES_FROM = "0.18.3"
-MUON_WITHOUT_GROUP_RATES = f">=0.17.6,<{MUON_GROUP_RATES_FROM}"
-
-
-def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[dict]":
-    """Offload settings that cannot work together, and config keys the installed DeepSpeed (``deepspeed``, its
-    version; None: not installed) ignores silently (no zeroshim patch involved)."""
+def general_findings(cfg: DSConfig) -> "List[dict]":
+    """Offload settings that cannot work together (no zeroshim patch involved)."""
     findings: "List[dict]" = []
 
     def add(level, message):
@@ -140,17 +132,4 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
     if cfg.stage == 3 and isinstance(threshold, float) and threshold > 10**8:
         add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
                        "defeats ZeRO-3's memory savings.")
-    optimizer = cfg.raw.get("optimizer")
-    params = optimizer.get("params") if isinstance(optimizer, dict) else None
-    if isinstance(params, dict) and str(optimizer.get("type", "")).lower() == "muon" and deepspeed:
-        from . import _versions
-
-        own = [key for key in ("muon_lr", "adam_lr") if key in params]
-        if own and _versions.in_range(deepspeed, MUON_WITHOUT_GROUP_RATES):
-            add("error", f"optimizer Muon with {' and '.join(own)}: DeepSpeed {deepspeed} ignores "
-                         f"{'them' if len(own) > 1 else 'it'} (it reads muon_lr and adam_lr from "
-                         f"{MUON_GROUP_RATES_FROM}), so both "
-                         f"parameter groups train at lr ({params.get('lr', 'its default')}): the Adam group "
-                         f"(embeddings, norms, the head) at Muon's rate, or Muon at Adam's. Install DeepSpeed >= "
-                         f"{MUON_GROUP_RATES_FROM}.")
     return findings
