@@ -393,6 +393,30 @@ def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
         raise AssertionError(f"the launch's child {child} outlived the timeout")
 
 
+@pytest.mark.parametrize("deepspeed, config, said", [
+    ("0.19.3", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, True),
+    ("0.19.8", {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}}, True),
+    ("0.19.8", {"bfloat16": {"enabled": "true"}, "zero_optimization": {"stage": "2"}}, True),
+    ("0.19.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False),
+    ("0.19.8", {"bf16": {"enabled": True, "check_grad_overflow": True}, "zero_optimization": {"stage": 2}}, False),
+    ("0.19.8", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, False),
+    ("0.19.8", {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}, False),
+    ("0.19.8", {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False),
+    (None, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False)])
+def test_bf16_steps_skipped_on_overflow_from_0_19_3(deepspeed, config, said):
+    """#44 item 2: DeepSpeed 0.19.3 turned bf16.check_grad_overflow on by default (False in the 0.19.2 sdist, True
+    in 0.19.3 and 0.19.8; ZeRO-1/2's optimizer reads it, ZeRO-3 checks fp16 only): a step with an inf gradient is
+    skipped, where 0.19.2 applied it and the weights became NaN (both run: RESULTS).  The boundary is written here."""
+    from zeroshim import _dsconfig
+
+    found = [f for f in _dsconfig.general_findings(_dsconfig.read(config)[0], deepspeed)
+             if "check_grad_overflow" in f["message"]]
+    assert bool(found) == said, found
+    if said:
+        assert found[0]["level"] == "warning" and f"DeepSpeed {deepspeed} skips every optimizer step" in \
+            found[0]["message"] and "OVERFLOW! Skipping step" in found[0]["message"]
+
+
 def test_doctor_reads_the_installed_deepspeed_for_the_muon_check(tmp_path):
     """#44 item 10: DeepSpeed has Muon from 0.17.6 and reads muon_lr/adam_lr from 0.18.3 (read in the sdists); the
     check is patch muon_group_lr's (tests/test_muon_group_lr.py), read here through doctor on this DeepSpeed."""

@@ -65,7 +65,7 @@ def check_config(config: object) -> list:
         for finding in patch.check_config(cfg, _affected(name)):
             findings.append({"level": finding["level"], "message": finding["message"] + _coverage(name),
                              "patch": name})
-    findings.extend(_dsconfig.general_findings(cfg))
+    findings.extend(_dsconfig.general_findings(cfg, _versions.installed("deepspeed")))
     return findings
 
 

@@ -106,8 +106,19 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
     return out, problems
 
 
-def general_findings(cfg: DSConfig) -> "List[dict]":
-    """Offload settings that cannot work together (no zeroshim patch involved)."""
+#: DeepSpeed's ZeRO-1/2 optimizer skips a bf16 step whose gradients hold inf or NaN by default from this release
+#: (``DeepSpeedBF16Config.check_grad_overflow``: False in the 0.19.2 sdist, True in 0.19.3 and 0.19.8; #8035)
+BF16_OVERFLOW_CHECK_FROM = "0.19.3"
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and (section.get("enabled") is True or
+                                          str(section.get("enabled")).lower() in ("true", AUTO))
+
+
+def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[dict]":
+    """Offload settings that cannot work together, and a default of the installed DeepSpeed (``deepspeed``, its
+    version; None: not installed) that changed what a config without the key does (no zeroshim patch involved)."""
     findings: "List[dict]" = []
 
     def add(level, message):
@@ -132,4 +143,16 @@ def general_findings(cfg: DSConfig) -> "List[dict]":
     if cfg.stage == 3 and isinstance(threshold, float) and threshold > 10**8:
         add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
                        "defeats ZeRO-3's memory savings.")
+    bf16 = cfg.raw.get("bf16", cfg.raw.get("bfloat16"))
+    if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16:
+        from . import _versions
+
+        if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_CHECK_FROM}"):
+            add("warning", f"bf16 with ZeRO stage {cfg.stage} and no bf16.check_grad_overflow: DeepSpeed {deepspeed} "
+                           "skips every optimizer step whose gradients hold inf or NaN, logging \"OVERFLOW! "
+                           f"Skipping step\" (its default from {BF16_OVERFLOW_CHECK_FROM}; before, the step was "
+                           "taken and the weights became NaN). A loss that overflows on every step then trains "
+                           "nothing while the run goes on (the engine's skipped_steps counts them). Write "
+                           "\"check_grad_overflow\": true to keep this and silence the note, or false for the "
+                           f"behaviour before {BF16_OVERFLOW_CHECK_FROM}.")
     return findings
