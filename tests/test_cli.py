@@ -417,6 +417,27 @@ def test_bf16_steps_skipped_on_overflow_from_0_19_3(deepspeed, config, said):
             found[0]["message"] and "OVERFLOW! Skipping step" in found[0]["message"]
 
 
+@pytest.mark.parametrize("config, said", [
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, True),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": 10}}}, True),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-4, 1.6e-3]}}}, False),
+    ({"scheduler": {"type": "WarmupLR", "params": {}}}, False),  # each group's own from 0.19.4 (warmup_lr_groups)
+    ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, False),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2}}}, False)])
+def test_a_warmup_scheduler_with_one_peak_rate_for_the_callers_optimizer(config, said):
+    """WarmupLR/WarmupDecayLR repeat one warmup_max_lr for every param group (_format_param; the HF Trainer fills
+    "auto" with its learning rate): with no optimizer section the optimizer is the caller's or the Trainer's, whose
+    groups may have their own rates (LoRA+, per-module rates); run in RESULTS: groups built at 1e-4 and 1.6e-3 end
+    at 1e-4 and 1e-4 on DeepSpeed 0.19.2 and 0.19.8, and WarmupCosineLR keeps both."""
+    from zeroshim import _dsconfig
+
+    found = [f for f in _dsconfig.general_findings(_dsconfig.read(config)[0], "0.19.8")
+             if "one warmup_max_lr" in f["message"]]
+    assert bool(found) == said, found
+    if said:
+        assert found[0]["level"] == "warning" and "write warmup_max_lr as a list" in found[0]["message"]
+
+
 def test_doctor_reads_the_installed_deepspeed_for_the_muon_check(tmp_path):
     """#44 item 10: DeepSpeed has Muon from 0.17.6 and reads muon_lr/adam_lr from 0.18.3 (read in the sdists); the
     check is patch muon_group_lr's (tests/test_muon_group_lr.py), read here through doctor on this DeepSpeed."""

@@ -109,6 +109,10 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
 #: DeepSpeed's ZeRO-1/2 optimizer skips a bf16 step whose gradients hold inf or NaN by default from this release
 #: (``DeepSpeedBF16Config.check_grad_overflow``: False in the 0.19.2 sdist, True in 0.19.3 and 0.19.8; #8035)
 BF16_OVERFLOW_CHECK_FROM = "0.19.3"
+#: DeepSpeed schedulers that give every param group the same peak rate when ``warmup_max_lr`` is one number
+#: (``_format_param`` repeats it; WarmupDecayLR calls WarmupLR's ``__init__``); WarmupCosineLR scales each group's
+#: own rate
+ONE_PEAK_SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
 def _enabled(section) -> bool:
@@ -117,8 +121,9 @@ def _enabled(section) -> bool:
 
 
 def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[dict]":
-    """Offload settings that cannot work together, and a default of the installed DeepSpeed (``deepspeed``, its
-    version; None: not installed) that changed what a config without the key does (no zeroshim patch involved)."""
+    """Offload settings that cannot work together, a warmup scheduler that gives every param group one peak rate,
+    and a default of the installed DeepSpeed (``deepspeed``, its version; None: not installed) that changed what a
+    config without the key does (no zeroshim patch involved)."""
     findings: "List[dict]" = []
 
     def add(level, message):
@@ -143,6 +148,18 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
     if cfg.stage == 3 and isinstance(threshold, float) and threshold > 10**8:
         add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
                        "defeats ZeRO-3's memory savings.")
+    scheduler = cfg.raw.get("scheduler") if isinstance(cfg.raw.get("scheduler"), dict) else {}
+    sched_params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
+    peak = sched_params.get("warmup_max_lr")
+    if scheduler.get("type") in ONE_PEAK_SCHEDULERS and "optimizer" not in cfg.raw and peak is not None \
+            and _number(peak, float) is not None:  # "auto" or one number (not a list)
+        add("warning", f"scheduler {scheduler['type']} with one warmup_max_lr ({peak!r}; \"auto\" is the HF "
+                       "Trainer's or accelerate's learning rate) and no optimizer section, so the optimizer is "
+                       "yours or the Trainer's: DeepSpeed warms every param group up to that one rate, so groups "
+                       "built with their own rates (LoRA+, LLaMA-Factory's loraplus_lr_ratio, ms-swift's vit_lr "
+                       "and aligner_lr, axolotl's embedding_lr) train at it, silently; the HF Trainer's own "
+                       "scheduler keeps each group's rate. Drop the scheduler section, use WarmupCosineLR "
+                       "(it scales each group's own rate), or write warmup_max_lr as a list, one rate per group.")
     bf16 = cfg.raw.get("bf16", cfg.raw.get("bfloat16"))
     if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16:
         from . import _versions
