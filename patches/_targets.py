@@ -35,7 +35,7 @@ TARGETS = {
     'stale_build_lock': ('torch.utils.file_baton', 'torch.utils.cpp_extension'),
     'warmup_lr_groups': ('deepspeed.runtime.lr_schedules',),
     'zero3_trace_rehook': ('deepspeed.runtime.zero.parameter_offload', 'deepspeed.runtime.zero.partitioned_param_coordinator'),
-    'trainer_max_grad_norm': ('transformers.integrations.deepspeed',),
+    'trainer_max_grad_norm': ('transformers.integrations.deepspeed', 'accelerate.accelerator'),
     'zero3_from_config_init': ('transformers.modeling_utils',),
     'zero3_unwrapped_model': ('transformers.modeling_utils',),
     'zero_optimizer_defaults': ('deepspeed.runtime.base_optimizer',),
@@ -49,4 +49,5 @@ TARGETS = {
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
     'zero3_peft_save': ('peft.peft_model', 'transformers.trainer'),
+    'trainer_max_grad_norm': ('accelerate.accelerator',),
 }

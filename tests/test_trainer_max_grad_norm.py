@@ -43,7 +43,9 @@ def test_with_zeroshim_max_grad_norm_reaches_deepspeed_bit_for_bit(ranks):
         with_, ref = rank["with"], rank["reference"]
         assert (with_["clipping"], with_["losses"], with_["grad_norms"], with_["param_sha256"]) == \
             (ref["clipping"], ref["losses"], ref["grad_norms"], ref["param_sha256"])
-        assert rank["stats"] == {"acted": 1}, rank["stats"]  # once: the second trainer_config_process finds the key
+        # once: the second trainer_config_process finds the key; the Trainer's own clip_grad_norm_ calls ask for what
+        # DeepSpeed applies, so nothing is said about them
+        assert rank["stats"]["acted"] == 1 and rank["told_by_trainer"] == 0, rank["stats"]
 
 
 def test_max_grad_norm_equal_to_deepspeeds_default_is_left_alone(ranks):
@@ -54,3 +56,29 @@ def test_max_grad_norm_equal_to_deepspeeds_default_is_left_alone(ranks):
 
 def test_status(ranks):
     assert ranks[0]["status"]["state"] == "applied", ranks[0]["status"]
+
+
+def test_accelerate_clip_grad_norm_is_ignored_under_deepspeed_and_zeroshim_says_so(ranks):
+    """A plain accelerate loop calling ``accelerator.clip_grad_norm_(parameters, 0.05)`` under a ZeRO-2 config that
+    clips at 1.0: accelerate clips nothing (DeepSpeed already stepped in ``accelerator.backward``), so the run is not
+    the one clipped at 0.05; with zeroshim it is the same run bit for bit, and rank 0 says so once at WARNING."""
+    for rank in ranks:
+        ref, without, with_ = rank["accelerate/reference"], rank["accelerate/without"], rank["accelerate/with"]
+        assert (ref["clipping"], without["clipping"], with_["clipping"]) == (0.05, 1.0, 1.0)
+        assert min(ref["grad_norms"]) > 0.05 and without["param_sha256"] != ref["param_sha256"]
+        assert (with_["losses"], with_["grad_norms"], with_["param_sha256"]) == \
+            (without["losses"], without["grad_norms"], without["param_sha256"])
+        assert not without["said"] and not ref["said"]
+        assert rank["stats"]["told"] == len(with_["grad_norms"]), rank["stats"]
+    said = ranks[0]["accelerate/with"]["said"]
+    assert len(said) == 1 and "clip_grad_norm_(max_norm=0.05) does nothing under DeepSpeed" in said[0], said
+    assert "clips inside accelerator.backward at its config's gradient_clipping (1.0)" in said[0], said
+    assert not ranks[1]["accelerate/with"]["said"]  # rank 0 speaks for the job
+
+
+@pytest.mark.parametrize("max_norm, asked", [(0.05, 0.05), (1, 1.0), (0, 0.0), (-1.0, 0.0), (float("inf"), 0.0),
+                                             (float("nan"), 0.0), ("x", None), (None, None), (True, None)])
+def test_what_clipping_a_max_norm_asks_for(max_norm, asked):
+    from zeroshim.patches.trainer_max_grad_norm import clipping
+
+    assert clipping(max_norm) == asked

@@ -20,6 +20,13 @@ Cause
     own default (``GRADIENT_CLIPPING_DEFAULT``: 0 before 0.19.3, 1.0 from
     0.19.3, deepspeedai/DeepSpeed#8068).
 
+    The same holds for a plain accelerate loop: under DeepSpeed,
+    ``accelerator.clip_grad_norm_(parameters, max_norm)`` clips nothing and
+    returns DeepSpeed's norm (accelerate: "DeepSpeed handles gradient clipping
+    internally"), and by then ``accelerator.backward`` has already stepped the
+    engine, clipped at the config's ``gradient_clipping``.  A ``max_norm``
+    other than that value is ignored without a word.
+
 Affected versions
     Every transformers with ``HfTrainerDeepSpeedConfig`` (read in 4.49.0 and
     5.23.0: the same ``fill_match`` line) and every DeepSpeed; what an
@@ -41,13 +48,22 @@ Fix
     values.  To keep DeepSpeed's default, write it in the config or set
     ``max_grad_norm`` to it.
 
+    ``Accelerator.clip_grad_norm_`` is wrapped too (accelerate, where it is
+    imported): under DeepSpeed, where ``max_norm`` is not the clipping the
+    engine applies (a ``max_norm`` that is not finite or at most 0 counts as
+    no clipping, as DeepSpeed's 0), one WARNING per job says so, with both
+    values and the remedy (``"gradient_clipping"`` in the DeepSpeed config).
+    It changes nothing there: the engine has already stepped when the loop
+    calls it.
+
 Undo
     ``zeroshim.unpatch("trainer_max_grad_norm")`` restores
-    ``trainer_config_process``.
+    ``trainer_config_process`` and ``Accelerator.clip_grad_norm_``.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from zeroshim import _log
@@ -55,8 +71,9 @@ from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr, require_params
 
 NAME = "trainer_max_grad_norm"
-#: acted: DeepSpeed configs given max_grad_norm as gradient_clipping
-stats = {"acted": 0}
+#: acted: DeepSpeed configs given max_grad_norm as gradient_clipping; told: accelerate clip_grad_norm_ calls whose
+#: max_norm DeepSpeed did not apply (the WARNING says the first)
+stats = {"acted": 0, "told": 0}
 _DEFAULT = re.compile(r"^GRADIENT_CLIPPING_DEFAULT\s*=\s*([0-9.eE+-]+)\s*$", re.M)
 
 
@@ -93,6 +110,42 @@ def _process(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def clipping(max_norm) -> "float | None":
+    """The clipping ``max_norm`` asks for, as DeepSpeed writes it (0: none), or None where it is not a number."""
+    if isinstance(max_norm, bool):
+        return None
+    try:
+        value = float(max_norm)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
+def _clip(wrapped, instance, args, kwargs):
+    """Wraps ``Accelerator.clip_grad_norm_(parameters, max_norm, norm_type=2)``."""
+    result = wrapped(*args, **kwargs)
+    with guard(NAME):
+        engine = getattr(getattr(instance, "deepspeed_engine_wrapped", None), "engine", None)
+        if engine is not None and is_active(NAME):
+            wanted = clipping(args[1] if len(args) > 1 else kwargs.get("max_norm"))
+            applied = float(engine.gradient_clipping())
+            if wanted is not None and wanted != applied:
+                _log.warning("zeroshim[%s]: accelerator.clip_grad_norm_(max_norm=%s) does nothing under DeepSpeed: "
+                             "DeepSpeed clips inside accelerator.backward at its config's gradient_clipping (%s%s), "
+                             "so the gradients were not clipped as asked. Write \"gradient_clipping\": %s in the "
+                             "DeepSpeed config (or gradient_clipping in accelerate's DeepSpeedPlugin). %s=off "
+                             "silences this.", NAME, wanted or "none", applied, "" if applied else ": none", wanted,
+                             "ZEROSHIM_" + NAME.upper(), scope=_log.RANK0, once=(NAME, "accelerate"))
+                stats["told"] += 1
+    return result
+
+
+def patch_accelerator(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "Accelerator")
+    require_params(cls.clip_grad_norm_, "parameters", "max_norm")
+    patcher.wrap(cls, "clip_grad_norm_", _clip)
+
+
 def patch_integration(module, patcher: Patcher) -> None:
     cls = require_attr(module, "HfTrainerDeepSpeedConfig")
     require_params(cls.trainer_config_process, "args")
@@ -127,6 +180,7 @@ PATCH = Patch(
     signatures=(),  # silent
     affects={"transformers": "", "deepspeed": ""},
     versions_note="with the HF Trainer",
-    targets={"transformers.integrations.deepspeed": patch_integration},
+    targets={"transformers.integrations.deepspeed": patch_integration, "accelerate.accelerator": patch_accelerator},
+    optional=("accelerate.accelerator",),
     check_config=check_config,
 )

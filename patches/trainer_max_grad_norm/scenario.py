@@ -9,9 +9,19 @@ Runs, in one process per rank:
 * ``default/without``, ``default/with``: no key and ``max_grad_norm`` equal to DeepSpeed's default: nothing to
   change, the two runs must be equal bit for bit (the patch does not act).
 
+And a plain accelerate loop (``Accelerator`` with a ZeRO-2 ``DeepSpeedPlugin`` whose config says
+``"gradient_clipping": 1.0``, ``accelerator.clip_grad_norm_(parameters, 0.05)`` after each backward):
+
+* ``accelerate/reference``: the config says 0.05;
+* ``accelerate/without``, ``accelerate/with``: the config says 1.0, without and with zeroshim: DeepSpeed clips at
+  1.0 (``clip_grad_norm_`` does nothing under DeepSpeed); the two runs must be equal bit for bit, and only the one
+  with zeroshim says so (``said``: zeroshim's WARNINGs about it).
+
 Each run records the clipping DeepSpeed was configured with, the logged losses and gradient norms and a digest of
 the parameters.
 """
+
+import logging
 
 import tempfile
 
@@ -45,6 +55,50 @@ def train(max_grad_norm: float, key: bool) -> dict:
                 "grad_norms": [float(h.get("grad_norm", -1)) for h in logs], **param_digest(run.model_wrapped)}
 
 
+class Said(logging.Handler):
+    """zeroshim's WARNINGs about ``clip_grad_norm_``, as the user's log shows them."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        if "clip_grad_norm_" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+SAID = Said()
+logging.getLogger("zeroshim").addHandler(SAID)
+
+
+def accelerate_loop(config_clipping: float) -> dict:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    AcceleratorState._reset_state(True)  # one Accelerator per run (accelerate keeps its state in singletons)
+    GradientState._reset_state()
+    del SAID.lines[:]
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 2},
+           "gradient_clipping": config_clipping, "bf16": {"enabled": False}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(Rows(MICRO * torch.distributed.get_world_size() * STEPS), batch_size=MICRO)
+    engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, norms = [], []
+    for batch in loader:
+        loss = engine(batch["x"])["loss"]
+        accelerator.backward(loss)
+        norms.append(float(accelerator.clip_grad_norm_(engine.parameters(), NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"clipping": engine.gradient_clipping(), "losses": losses, "grad_norms": norms, "said": list(SAID.lines),
+            **param_digest(engine)}
+
+
 def main():
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
@@ -53,12 +107,17 @@ def main():
     results["reference"] = attempt(train, NORM, True)
     results["without"] = attempt(train, NORM, False)
     results["default/without"] = attempt(train, float(GRADIENT_CLIPPING_DEFAULT), False)
+    results["accelerate/reference"] = attempt(accelerate_loop, NORM)
+    results["accelerate/without"] = attempt(accelerate_loop, 1.0)
 
     zeroshim = enable_zeroshim()
 
     results["status"] = zeroshim.status()["trainer_max_grad_norm"].as_dict()
     results["with"] = attempt(train, NORM, False)
     results["default/with"] = attempt(train, float(GRADIENT_CLIPPING_DEFAULT), False)
+    told_by_trainer = zeroshim.stats("trainer_max_grad_norm")["told"]
+    results["accelerate/with"] = attempt(accelerate_loop, 1.0)
+    results["told_by_trainer"] = told_by_trainer
     results["stats"] = dict(zeroshim.stats("trainer_max_grad_norm"))
     end(out, results)
 
