@@ -76,7 +76,7 @@ MATRIX = {
     # micro-batch (bf16_zero1_last_microbatch)
     "ds0.18.9": ["deepspeed==0.18.9", "transformers==4.57.*", "accelerate==1.15.0"],
     # light: DeepSpeed 0.17.6-0.18.2's Muon optimizer drops the config's muon_lr and adam_lr (muon_group_lr)
-    "ds0.18.2": ["deepspeed==0.18.2", "accelerate==1.15.0"],
+    "ds0.18.2": ["deepspeed==0.18.2", "transformers==4.57.*", "accelerate==1.15.0"],
     # light: HF Trainer up to transformers 4.45 refuses "auto" bucket sizes for a model whose hidden size is only in
     # text_config (trainer_auto_hidden_size)
     "tf4.45.2": ["deepspeed==0.16.9", "transformers==4.45.2", "accelerate==1.15.0"],

@@ -400,6 +400,13 @@ def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
     ("0.19.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False),
     ("0.19.8", {"bf16": {"enabled": True, "check_grad_overflow": True}, "zero_optimization": {"stage": 2}}, False),
     ("0.19.8", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, False),
+    ("0.19.8", {"bf16": {"enabled": 1}, "zero_optimization": {"stage": 2}}, True),
+    ("0.19.8", {"bf16": None, "bfloat16": {"enabled": "yes"}, "zero_optimization": {"stage": 2}}, True),
+    # ZeRO-1 accumulating in fp32 runs BF16_Optimizer, which skips such steps whatever the key says
+    ("0.19.8", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                "zero_optimization": {"stage": 1}}, False),
+    ("0.19.8", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, True),
     ("0.19.8", {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}, False),
     ("0.19.8", {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False),
     (None, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False)])
@@ -417,22 +424,31 @@ def test_bf16_steps_skipped_on_overflow_from_0_19_3(deepspeed, config, said):
             found[0]["message"] and "OVERFLOW! Skipping step" in found[0]["message"]
 
 
-@pytest.mark.parametrize("config, said", [
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, True),
-    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": 10}}}, True),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-4, 1.6e-3]}}}, False),
-    ({"scheduler": {"type": "WarmupLR", "params": {}}}, False),  # each group's own from 0.19.4 (warmup_lr_groups)
-    ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, False),
-    ({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2}}}, False)])
-def test_a_warmup_scheduler_with_one_peak_rate_for_the_callers_optimizer(config, said):
+@pytest.mark.parametrize("deepspeed, config, said", [
+    ("0.19.8", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, True),
+    ("0.19.8", {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": 9}}}, True),
+    ("0.19.8", {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 9}}}, True),  # its 0.001
+    ("0.16.9", {"scheduler": {"type": "WarmupLR", "params": {}}}, True),  # 0.001 for every group before 0.17.2
+    ("0.19.8", {"scheduler": {"type": "WarmupLR", "params": {}}}, False),  # each group's own rate from 0.19.4
+    ("0.18.9", {"scheduler": {"type": "WarmupLR"}}, False),  # group 0's rate: patch warmup_lr_groups
+    ("0.19.8", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-4, 1.6e-3]}}}, False),
+    ("0.19.8", {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1}}},
+     False),
+    ("0.19.8", {"optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-4}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02}}}, True),
+    ("0.19.8", {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2}}}, False),
+    ("0.19.8", {"scheduler": ["WarmupLR"]}, False),
+    ("0.19.8", {"scheduler": {"type": "WarmupLR", "params": "auto"}}, False)])
+def test_a_warmup_scheduler_with_one_peak_rate_for_several_groups(deepspeed, config, said):
     """WarmupLR/WarmupDecayLR repeat one warmup_max_lr for every param group (_format_param; the HF Trainer fills
-    "auto" with its learning rate): with no optimizer section the optimizer is the caller's or the Trainer's, whose
-    groups may have their own rates (LoRA+, per-module rates); run in RESULTS: groups built at 1e-4 and 1.6e-3 end
-    at 1e-4 and 1e-4 on DeepSpeed 0.19.2 and 0.19.8, and WarmupCosineLR keeps both."""
+    "auto" with its learning rate; WarmupDecayLR's default is 0.001, WarmupLR's before 0.17.2): over the caller's
+    or the Trainer's optimizer (no optimizer section), whose groups may have their own rates (LoRA+, per-module
+    rates), or Muon's two groups.  Run (RESULTS 59): groups built at 1e-4 and 1.6e-3 end at 1e-4 and 1e-4 on
+    DeepSpeed 0.19.2 and 0.19.8, and WarmupCosineLR keeps both."""
     from zeroshim import _dsconfig
 
-    found = [f for f in _dsconfig.general_findings(_dsconfig.read(config)[0], "0.19.8")
-             if "one warmup_max_lr" in f["message"]]
+    found = [f for f in _dsconfig.general_findings(_dsconfig.read(config)[0], deepspeed)
+             if "warms every param group" in f["message"]]
     assert bool(found) == said, found
     if said:
         assert found[0]["level"] == "warning" and "write warmup_max_lr as a list" in found[0]["message"]

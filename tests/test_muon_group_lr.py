@@ -70,8 +70,9 @@ def test_status_follows_the_range(ranks):
 
 
 @pytest.mark.parametrize("affected", [True, False])
-def test_doctor_names_the_dropped_keys_where_affected(affected):
-    """``zeroshim doctor --config``'s check, given the gate's verdict (the boundaries are the tests' above)."""
+def test_doctor_names_a_rate_that_is_dropped_where_affected(affected):
+    """``zeroshim doctor --config``'s check, given the gate's verdict (the boundaries are the tests' above): only a
+    key whose value differs from the rate its group gets (``lr``, or Muon's defaults 0.02 and 3e-4 without it)."""
     from zeroshim import _dsconfig
     from zeroshim.patches.muon_group_lr import PATCH
 
@@ -81,9 +82,12 @@ def test_doctor_names_the_dropped_keys_where_affected(affected):
     both = said({"lr": 0.02, "muon_lr": 0.02, "adam_lr": 3e-4})
     assert [f["level"] for f in both] == (["error"] if affected else [])
     if affected:
-        assert "muon_lr and adam_lr" in both[0]["message"] and "drops them" in both[0]["message"]
-        assert "both parameter groups train at lr (0.02)" in said({"lr": 0.02, "adam_lr": 3e-4})[0]["message"]
+        assert "the Adam group trains at 0.02, not adam_lr 0.0003" in both[0]["message"]
+        assert "Muon group" not in both[0]["message"]  # muon_lr is lr: nothing lost
+        assert "the Muon group trains at 0.001, not muon_lr 0.02" in said({"lr": 1e-3, "muon_lr": 0.02})[0]["message"]
     assert not said({"lr": 0.02})  # nothing dropped
+    assert not said({"lr": 0.02, "muon_lr": 0.02, "adam_lr": 0.02})  # every key is the rate its group gets
+    assert not said({"muon_lr": 0.02, "adam_lr": 3e-4})  # Muon's own defaults without lr
     assert not said({"lr": 0.02, "adam_lr": 3e-4}, kind="AdamW")
 
 
@@ -95,4 +99,7 @@ def test_each_group_takes_its_key_and_only_numbers():
     assert new_rates(groups, {"adam_lr": 1}) == ([None, 1, None], [])
     assert new_rates(groups, {"adam_lr": "3e-4", "muon_lr": True}) == \
         ([None, None, None], [("adam_lr", "3e-4"), ("muon_lr", True)])
+    assert new_rates(groups, {"adam_lr": None, "muon_lr": [0.1]}) == \
+        ([None, None, None], [("adam_lr", None), ("muon_lr", [0.1])])  # unhashable values too
+    assert new_rates(groups + [{"use_muon": False, "lr": 0.02}], {"adam_lr": {"x": 1}})[1] == [("adam_lr", {"x": 1})]
     assert new_rates(groups, {}) == ([None, None, None], [])

@@ -82,3 +82,29 @@ def test_what_clipping_a_max_norm_asks_for(max_norm, asked):
     from zeroshim.patches.trainer_max_grad_norm import clipping
 
     assert clipping(max_norm) == asked
+
+
+@pytest.mark.parametrize("max_norm, deepspeed_clips, said", [
+    (0.05, 1.0, True), (1.0, 0.0, True), (1.0, 1.0, False), (1, 1.0, False), (float("inf"), 1.0, False),
+    (float("inf"), 0.0, False), (0.0, 1.0, False), (None, 1.0, False)])
+def test_which_clip_grad_norm_calls_are_named(monkeypatch, max_norm, deepspeed_clips, said):
+    """The wrapper's decision in this process (a stand-in accelerator whose engine clips at ``deepspeed_clips``):
+    a finite max_norm above 0 that is not DeepSpeed's clipping is named once; the norm alone (inf) is not; the
+    call's own return value comes back unchanged."""
+    from types import SimpleNamespace
+
+    from zeroshim import _log
+    from zeroshim.patches import trainer_max_grad_norm as patch
+
+    told = []
+    monkeypatch.setattr(patch, "is_active", lambda name: True)
+    monkeypatch.setattr(_log, "warning", lambda msg, *args, **kw: told.append(msg % args))
+    monkeypatch.setitem(patch.stats, "told", 0)
+    engine = SimpleNamespace(gradient_clipping=lambda: deepspeed_clips)
+    accelerator = SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=engine))
+    norm = object()
+    assert patch._clip(lambda *a, **k: norm, accelerator, ([], max_norm), {}) is norm
+    assert patch._clip(lambda *a, **k: norm, accelerator, ([],), {"max_norm": max_norm}) is norm
+    assert bool(told) == said and patch.stats["told"] == (2 if said else 0), told
+    plain = SimpleNamespace(deepspeed_engine_wrapped=None)  # not under DeepSpeed: nothing to say
+    assert patch._clip(lambda *a, **k: norm, plain, ([], 0.05), {}) is norm and len(told) == (2 if said else 0)

@@ -115,9 +115,22 @@ BF16_OVERFLOW_CHECK_FROM = "0.19.3"
 ONE_PEAK_SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
+#: what DeepSpeed's pydantic config reads as True (lax mode), and HF's "auto" (the trainer's bf16 flag)
+_TRUE = ("true", "1", "yes", "on", "y", "t", AUTO)
+#: what DeepSpeed's DtypeEnum reads as fp32
+_FP32 = ("fp32", "float32", "float", "torch.float32")
+
+
 def _enabled(section) -> bool:
-    return isinstance(section, dict) and (section.get("enabled") is True or
-                                          str(section.get("enabled")).lower() in ("true", AUTO))
+    return isinstance(section, dict) and str(section.get("enabled")).strip().lower() in _TRUE
+
+
+def _bf16_optimizer(cfg: DSConfig) -> bool:
+    """Does DeepSpeed run this config with BF16_Optimizer (bf16 ZeRO-1 accumulating in fp32, no optimizer
+    offload), which skips a step with an inf or NaN gradient norm whatever ``check_grad_overflow`` says?"""
+    types = cfg.raw.get("data_types") if isinstance(cfg.raw.get("data_types"), dict) else {}
+    return cfg.stage == 1 and str(types.get("grad_accum_dtype")).strip().lower() in _FP32 and \
+        cfg.offload_optimizer in NONE_DEVICES
 
 
 def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[dict]":
@@ -151,21 +164,34 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
     scheduler = cfg.raw.get("scheduler") if isinstance(cfg.raw.get("scheduler"), dict) else {}
     sched_params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
     peak = sched_params.get("warmup_max_lr")
-    if scheduler.get("type") in ONE_PEAK_SCHEDULERS and "optimizer" not in cfg.raw and peak is not None \
+    optimizer = cfg.raw.get("optimizer")
+    kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else None
+    if peak is None and "warmup_max_lr" not in sched_params:  # the scheduler's own default
+        from . import _versions
+
+        old_warmup = deepspeed is not None and _versions.in_range(deepspeed, "<0.17.2")
+        peak = 0.001 if scheduler.get("type") == "WarmupDecayLR" or old_warmup else None
+        what = f"no warmup_max_lr, so DeepSpeed's default {peak}"
+    else:
+        what = f"one warmup_max_lr ({peak!r}; \"auto\" is the HF Trainer's or accelerate's learning rate)"
+    if scheduler.get("type") in ONE_PEAK_SCHEDULERS and kind in (None, "muon") and peak is not None \
             and _number(peak, float) is not None:  # "auto" or one number (not a list)
-        add("warning", f"scheduler {scheduler['type']} with one warmup_max_lr ({peak!r}; \"auto\" is the HF "
-                       "Trainer's or accelerate's learning rate) and no optimizer section, so the optimizer is "
-                       "yours or the Trainer's: DeepSpeed warms every param group up to that one rate, so groups "
-                       "built with their own rates (LoRA+, LLaMA-Factory's loraplus_lr_ratio, ms-swift's vit_lr "
-                       "and aligner_lr, axolotl's embedding_lr) train at it, silently; the HF Trainer's own "
-                       "scheduler keeps each group's rate. Drop the scheduler section, use WarmupCosineLR "
-                       "(it scales each group's own rate), or write warmup_max_lr as a list, one rate per group.")
-    bf16 = cfg.raw.get("bf16", cfg.raw.get("bfloat16"))
-    if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16:
+        whose = "Muon's two groups" if kind == "muon" else \
+            "the caller's or the Trainer's optimizer (no optimizer section)"
+        add("warning", f"scheduler {scheduler['type']} with {what}, over {whose}: DeepSpeed warms every param group "
+                       "up to that one rate, so groups built with their own rates (LoRA+, LLaMA-Factory's "
+                       "loraplus_lr_ratio, ms-swift's vit_lr and aligner_lr, axolotl's embedding_lr, Muon's muon_lr "
+                       "and adam_lr) train at it, silently; the HF Trainer's own scheduler keeps each group's rate. "
+                       "Drop the scheduler section, use WarmupCosineLR (it scales each group's own rate), or write "
+                       "warmup_max_lr as a list, one rate per group.")
+    bf16 = cfg.raw.get("bf16") if isinstance(cfg.raw.get("bf16"), dict) else cfg.raw.get("bfloat16")
+    if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16 \
+            and not _bf16_optimizer(cfg):
         from . import _versions
 
         if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_CHECK_FROM}"):
-            add("warning", f"bf16 with ZeRO stage {cfg.stage} and no bf16.check_grad_overflow: DeepSpeed {deepspeed} "
+            add("warning", f"bf16 (on, or \"auto\" where the trainer turns it on) with ZeRO stage {cfg.stage} and "
+                           f"no bf16.check_grad_overflow: DeepSpeed {deepspeed} "
                            "skips every optimizer step whose gradients hold inf or NaN, logging \"OVERFLOW! "
                            f"Skipping step\" (its default from {BF16_OVERFLOW_CHECK_FROM}; before, the step was "
                            "taken and the weights became NaN). A loss that overflows on every step then trains "

@@ -30,10 +30,11 @@ Fix
     ``DeepSpeedEngine._configure_basic_optimizer`` is wrapped: where it returns a Muon optimizer and the config's
     params give ``muon_lr`` or ``adam_lr``, each param group's ``lr`` (``use_muon`` True or False) is set to that
     value, before DeepSpeed wraps the optimizer in ZeRO and builds its scheduler: the groups DeepSpeed 0.18.3
-    builds from the same config.  Every group's new rate is read before any is set.  A value that is not a number
-    is left to DeepSpeed (dropped, as without zeroshim) with a WARNING.  A rate that is already the group's
-    changes nothing.  When it acts it changes the run's numbers: one WARNING per job, with both groups' rates
-    before and after.  ``zeroshim doctor --config`` names such configs on affected releases.
+    builds from the same config.  Every group's new rate is read, and the change said, before any is set.  A
+    value that is not a number (``null`` included) is left to DeepSpeed (dropped, as without zeroshim) with a
+    WARNING.  A rate that is already the group's changes nothing.  When it acts it changes the run's numbers: one
+    WARNING per job, with both groups' rates before and after.  ``zeroshim doctor --config`` names a config whose ``muon_lr`` or ``adam_lr`` differs from
+    the rate its group gets on affected releases.
 
 Undo
     ``zeroshim.unpatch("muon_group_lr")`` restores ``_configure_basic_optimizer``.
@@ -60,18 +61,26 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: the rate ``MuonWithAuxAdam`` gives a group without ``lr`` (0.17.6 - 0.18.2, ``original_muon.py``)
+DEFAULTS = {True: 0.02, False: 3e-4}
+_MISSING = object()
+
+
 def new_rates(groups, params) -> "tuple[list, list]":
     """``(rates, unread)``: each group's rate as DeepSpeed 0.18.3 sets it from the config's ``params`` (None where
-    the group keeps its own), and the ``(key, value)`` pairs given that are not numbers."""
+    the group keeps its own), and the ``(key, value)`` pairs given that are not numbers (``null`` included)."""
     rates, unread = [], []
     for group in groups:
         key = KEYS[bool(group.get("use_muon"))] if "use_muon" in group else None
-        value = params.get(key) if key else None
-        if value is not None and not _number(value):
-            unread.append((key, value))
+        value = params.get(key, _MISSING) if key else _MISSING
+        if value is _MISSING:
+            value = None
+        elif not _number(value):
+            if (key, repr(value)) not in [(k, repr(v)) for k, v in unread]:
+                unread.append((key, value))
             value = None
         rates.append(value)
-    return rates, sorted(set(unread), key=repr)
+    return rates, sorted(unread, key=repr)
 
 
 def _set_rates(engine, optimizer) -> None:
@@ -86,15 +95,16 @@ def _set_rates(engine, optimizer) -> None:
                      NAME, ", ".join(f"{k}={v!r} is" for k, v in unread), _versions.shown("deepspeed"),
                      once=(NAME, "unread"))
     before = [group["lr"] for group in groups]
-    if all(rate is None or rate == old for rate, old in zip(rates, before)):
+    after = [old if rate is None else rate for rate, old in zip(rates, before)]
+    if after == before:
         return
-    for group, rate in zip(groups, rates):
-        if rate is not None:
-            group["lr"] = rate
     stats["acted"] += 1
+    # said before anything is set: if saying it fails, guard's fallback leaves the groups as DeepSpeed built them
     _log.acted(NAME, "Muon's param groups train at %s (muon_lr/adam_lr) instead of %s",
                "DeepSpeed %s drops the Muon config's muon_lr and adam_lr (read from 0.18.3), so every group "
-               "trains at lr", [group["lr"] for group in groups], before, _versions.shown("deepspeed"))
+               "trains at lr", after, before, _versions.shown("deepspeed"))
+    for group, rate in zip(groups, after):
+        group["lr"] = rate
 
 
 def _configure(wrapped, instance, args, kwargs):
@@ -115,20 +125,23 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 
 def check_config(cfg, affected: bool) -> list:
-    """``zeroshim doctor --config``: a Muon optimizer with ``muon_lr`` or ``adam_lr`` on a DeepSpeed that drops
-    them."""
+    """``zeroshim doctor --config``: a Muon optimizer whose ``muon_lr`` or ``adam_lr`` differs from the rate the
+    group gets on a DeepSpeed that drops them (``lr``, or Muon's own default where ``lr`` is not given)."""
     optimizer = cfg.raw.get("optimizer") if isinstance(cfg.raw, dict) else None
     params = optimizer.get("params") if isinstance(optimizer, dict) else None
     if not affected or not isinstance(params, dict) or str(optimizer.get("type", "")).lower() != "muon":
         return []
-    own = [key for key in ("muon_lr", "adam_lr") if key in params]
-    if not own:
+    lost = []
+    for muon, key in KEYS.items():
+        given = params.get(key)
+        gets = params.get("lr", DEFAULTS[muon])
+        if key in params and given != gets:
+            lost.append(f"the {'Muon' if muon else 'Adam'} group trains at {gets!r}, not {key} {given!r}")
+    if not lost:
         return []
     return [{"level": "error",
-             "message": f"optimizer Muon with {' and '.join(own)}: DeepSpeed {_versions.shown('deepspeed')} drops "
-                        f"{'them' if len(own) > 1 else 'it'} (it reads muon_lr and adam_lr from 0.18.3), so both "
-                        f"parameter groups train at lr ({params.get('lr', 'its default')}): the Adam group "
-                        "(embeddings, norms, the head) at Muon's rate, or Muon at Adam's."}]
+             "message": f"optimizer Muon: DeepSpeed {_versions.shown('deepspeed')} drops muon_lr and adam_lr (it "
+                        f"reads them from 0.18.3), so {' and '.join(lost)}."}]
 
 
 PATCH = Patch(

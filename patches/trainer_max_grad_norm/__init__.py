@@ -21,11 +21,12 @@ Cause
     0.19.3, deepspeedai/DeepSpeed#8068).
 
     The same holds for a plain accelerate loop: under DeepSpeed,
-    ``accelerator.clip_grad_norm_(parameters, max_norm)`` clips nothing and
-    returns DeepSpeed's norm (accelerate: "DeepSpeed handles gradient clipping
-    internally"), and by then ``accelerator.backward`` has already stepped the
-    engine, clipped at the config's ``gradient_clipping``.  A ``max_norm``
-    other than that value is ignored without a word.
+    ``accelerator.clip_grad_norm_(parameters, max_norm)`` clips nothing
+    (accelerate: "DeepSpeed handles gradient clipping internally"; 1.15
+    returns DeepSpeed's norm, older releases None): DeepSpeed clips inside
+    the engine's step, which ``accelerator.backward`` runs, at the config's
+    ``gradient_clipping``.  A ``max_norm`` other than that value is ignored
+    without a word.
 
 Affected versions
     Every transformers with ``HfTrainerDeepSpeedConfig`` (read in 4.49.0 and
@@ -48,13 +49,13 @@ Fix
     values.  To keep DeepSpeed's default, write it in the config or set
     ``max_grad_norm`` to it.
 
-    ``Accelerator.clip_grad_norm_`` is wrapped too (accelerate, where it is
-    imported): under DeepSpeed, where ``max_norm`` is not the clipping the
-    engine applies (a ``max_norm`` that is not finite or at most 0 counts as
-    no clipping, as DeepSpeed's 0), one WARNING per job says so, with both
-    values and the remedy (``"gradient_clipping"`` in the DeepSpeed config).
-    It changes nothing there: the engine has already stepped when the loop
-    calls it.
+    ``Accelerator.clip_grad_norm_`` is wrapped too (where accelerate is
+    imported, and transformers installed, as the gate asks): under DeepSpeed,
+    where ``max_norm`` is a finite number above 0 that is not the clipping the
+    engine applies, one WARNING per job (on rank 0) says so, with both values
+    and the remedy (``"gradient_clipping"`` in the DeepSpeed config).  An
+    infinite ``max_norm`` (asking for the norm alone) is not named.  It
+    changes nothing there: DeepSpeed's step clips, not that call.
 
 Undo
     ``zeroshim.unpatch("trainer_max_grad_norm")`` restores
@@ -129,12 +130,13 @@ def _clip(wrapped, instance, args, kwargs):
         if engine is not None and is_active(NAME):
             wanted = clipping(args[1] if len(args) > 1 else kwargs.get("max_norm"))
             applied = float(engine.gradient_clipping())
-            if wanted is not None and wanted != applied:
+            if wanted and wanted != applied:  # a finite max_norm above 0 (not the norm alone) that is not applied
                 _log.warning("zeroshim[%s]: accelerator.clip_grad_norm_(max_norm=%s) does nothing under DeepSpeed: "
                              "DeepSpeed clips inside accelerator.backward at its config's gradient_clipping (%s%s), "
                              "so the gradients were not clipped as asked. Write \"gradient_clipping\": %s in the "
                              "DeepSpeed config (or gradient_clipping in accelerate's DeepSpeedPlugin). %s=off "
-                             "silences this.", NAME, wanted or "none", applied, "" if applied else ": none", wanted,
+                             "silences this (and turns off the HF Trainer's fix).", NAME, wanted, applied,
+                             "" if applied else ": none", wanted,
                              "ZEROSHIM_" + NAME.upper(), scope=_log.RANK0, once=(NAME, "accelerate"))
                 stats["told"] += 1
     return result
