@@ -16,11 +16,15 @@ Each run records the learning rate of each group after every step, the losses an
 """
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 
 from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
 
 deepspeed = import_deepspeed()
+# DeepSpeed >= 0.18.3 compiles Muon's kernels with torch.compile on their first call: minutes on a small CPU, and
+# nothing the rates depend on; every run here runs them eagerly alike
+torch._dynamo.config.disable = True
 VOCAB, H, STEPS, MICRO = 32, 16, 3, 2
 MUON_LR, ADAM_LR = 0.02, 3e-4
 
