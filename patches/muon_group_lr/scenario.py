@@ -22,8 +22,8 @@ import torch.nn as nn
 from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
 
 deepspeed = import_deepspeed()
-# DeepSpeed >= 0.18.3 compiles Muon's kernels with torch.compile on their first call: minutes on a small CPU, and
-# nothing the rates depend on; every run here runs them eagerly alike
+# DeepSpeed >= 0.18.3 compiles Muon's kernels with torch.compile on their first call (13 s a process here), which
+# nothing the rates depend on needs; every run here runs them eagerly alike
 torch._dynamo.config.disable = True
 VOCAB, H, STEPS, MICRO = 32, 16, 3, 2
 MUON_LR, ADAM_LR = 0.02, 3e-4
@@ -62,7 +62,10 @@ def train(adam_lr=ADAM_LR, client=False) -> dict:
     if client:
         engine, *_ = deepspeed.initialize(model=model, optimizer=_client_muon(model), config=cfg)
     else:
-        cfg["optimizer"] = {"type": "Muon", "params": {"lr": MUON_LR, "muon_lr": MUON_LR, "adam_lr": adam_lr}}
+        # torch_adam: DeepSpeed >= 0.19 runs Muon's Adam group with FusedAdam, a C++ op built on first use (minutes
+        # on a small CPU) unless torch's AdamW is asked for; 0.17.6 - 0.18.x drop the key with the others
+        cfg["optimizer"] = {"type": "Muon", "params": {"lr": MUON_LR, "muon_lr": MUON_LR, "adam_lr": adam_lr,
+                                                       "torch_adam": True}}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     losses, lrs = [], []
