@@ -137,6 +137,8 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
     """Offload settings that cannot work together, a warmup scheduler that gives every param group one peak rate,
     and a default of the installed DeepSpeed (``deepspeed``, its version; None: not installed) that changed what a
     config without the key does (no zeroshim patch involved)."""
+    from . import _versions
+
     findings: "List[dict]" = []
 
     def add(level, message):
@@ -162,33 +164,29 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
         add("warning", "stage3_param_persistence_threshold is very large: most parameters stay gathered, which "
                        "defeats ZeRO-3's memory savings.")
     scheduler = cfg.raw.get("scheduler") if isinstance(cfg.raw.get("scheduler"), dict) else {}
-    sched_params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
-    peak = sched_params.get("warmup_max_lr")
     optimizer = cfg.raw.get("optimizer")
     kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else None
-    if peak is None and "warmup_max_lr" not in sched_params:  # the scheduler's own default
-        from . import _versions
-
-        old_warmup = deepspeed is not None and _versions.in_range(deepspeed, "<0.17.2")
-        peak = 0.001 if scheduler.get("type") == "WarmupDecayLR" or old_warmup else None
-        what = f"no warmup_max_lr, so DeepSpeed's default {peak}"
-    else:
-        what = f"one warmup_max_lr ({peak!r}; \"auto\" is the HF Trainer's or accelerate's learning rate)"
-    if scheduler.get("type") in ONE_PEAK_SCHEDULERS and kind in (None, "muon") and peak is not None \
-            and _number(peak, float) is not None:  # "auto" or one number (not a list)
-        whose = "Muon's two groups" if kind == "muon" else \
-            "the caller's or the Trainer's optimizer (no optimizer section)"
-        add("warning", f"scheduler {scheduler['type']} with {what}, over {whose}: DeepSpeed warms every param group "
-                       "up to that one rate, so groups built with their own rates (LoRA+, LLaMA-Factory's "
-                       "loraplus_lr_ratio, ms-swift's vit_lr and aligner_lr, axolotl's embedding_lr, Muon's muon_lr "
-                       "and adam_lr) train at it, silently; the HF Trainer's own scheduler keeps each group's rate. "
-                       "Drop the scheduler section, use WarmupCosineLR (it scales each group's own rate), or write "
-                       "warmup_max_lr as a list, one rate per group.")
+    if scheduler.get("type") in ONE_PEAK_SCHEDULERS and kind in (None, "muon"):
+        sched_params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
+        if "warmup_max_lr" in sched_params:
+            peak = sched_params["warmup_max_lr"]
+            what = f"one warmup_max_lr ({peak!r}; \"auto\" is the HF Trainer's or accelerate's learning rate)"
+        else:  # the scheduler's own default
+            old_warmup = deepspeed is not None and _versions.in_range(deepspeed, "<0.17.2")
+            peak = 0.001 if scheduler["type"] == "WarmupDecayLR" or old_warmup else None
+            what = f"no warmup_max_lr, so DeepSpeed's default {peak}"
+        if peak is not None and _number(peak, float) is not None:  # "auto" or one number (not a list)
+            whose = "Muon's two groups" if kind == "muon" else \
+                "the caller's or the Trainer's optimizer (no optimizer section)"
+            add("warning", f"scheduler {scheduler['type']} with {what}, over {whose}: DeepSpeed warms every param "
+                           "group up to that one rate, so groups built with their own rates (LoRA+, LLaMA-Factory's "
+                           "loraplus_lr_ratio, ms-swift's vit_lr and aligner_lr, axolotl's embedding_lr, Muon's "
+                           "muon_lr and adam_lr) train at it, silently; the HF Trainer's own scheduler keeps each "
+                           "group's rate. Drop the scheduler section, use WarmupCosineLR (it scales each group's own "
+                           "rate), or write warmup_max_lr as a list, one rate per group.")
     bf16 = cfg.raw.get("bf16") if isinstance(cfg.raw.get("bf16"), dict) else cfg.raw.get("bfloat16")
     if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16 \
             and not _bf16_optimizer(cfg):
-        from . import _versions
-
         if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_CHECK_FROM}"):
             add("warning", f"bf16 (on, or \"auto\" where the trainer turns it on) with ZeRO stage {cfg.stage} and "
                            f"no bf16.check_grad_overflow: DeepSpeed {deepspeed} "

@@ -63,29 +63,26 @@ def _number(value) -> bool:
 
 #: the rate ``MuonWithAuxAdam`` gives a group without ``lr`` (0.17.6 - 0.18.2, ``original_muon.py``)
 DEFAULTS = {True: 0.02, False: 3e-4}
-_MISSING = object()
 
 
 def new_rates(groups, params) -> "tuple[list, list]":
     """``(rates, unread)``: each group's rate as DeepSpeed 0.18.3 sets it from the config's ``params`` (None where
     the group keeps its own), and the ``(key, value)`` pairs given that are not numbers (``null`` included)."""
-    rates, unread = [], []
+    rates, unread = [], {}
     for group in groups:
-        key = KEYS[bool(group.get("use_muon"))] if "use_muon" in group else None
-        value = params.get(key, _MISSING) if key else _MISSING
-        if value is _MISSING:
-            value = None
-        elif not _number(value):
-            if (key, repr(value)) not in [(k, repr(v)) for k, v in unread]:
-                unread.append((key, value))
-            value = None
-        rates.append(value)
-    return rates, sorted(unread, key=repr)
+        key = KEYS[bool(group["use_muon"])] if "use_muon" in group else None
+        if key not in params:
+            rates.append(None)
+        elif _number(params[key]):
+            rates.append(params[key])
+        else:
+            rates.append(None)
+            unread[key] = params[key]
+    return rates, sorted(unread.items())
 
 
 def _set_rates(engine, optimizer) -> None:
-    name = getattr(engine, "optimizer_name", lambda: None)()
-    if str(name).lower() != "muon" or "muon" not in type(optimizer).__name__.lower():
+    if str(engine.optimizer_name()).lower() != "muon" or "muon" not in type(optimizer).__name__.lower():
         return
     params = engine.optimizer_params() or {}
     groups = optimizer.param_groups

@@ -44,12 +44,13 @@ class Tiny(nn.Module):
 
 
 def _client_muon(model):
-    """The optimizer DeepSpeed >= 0.18.3 builds for this config: its own ``use_muon`` rule (2-D and more, not an
-    embedding or the head) and each group at its own rate."""
+    """The optimizer DeepSpeed >= 0.18.3 builds for this config: its own ``use_muon`` rule
+    (``deepspeed.set_optimizer_flags``) and each group at its own rate."""
+    from types import SimpleNamespace
+
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    for name, p in model.named_parameters():
-        p.use_muon = p.ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+    deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon"), model)
     params = list(model.parameters())
     return MuonWithAuxAdam([dict(params=[p for p in params if p.use_muon], use_muon=True, lr=MUON_LR),
                             dict(params=[p for p in params if not p.use_muon], use_muon=False, lr=ADAM_LR)])

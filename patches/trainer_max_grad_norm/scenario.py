@@ -21,13 +21,11 @@ Each run records the clipping DeepSpeed was configured with, the logged losses a
 the parameters.
 """
 
-import logging
-
 import tempfile
 
 import torch
 
-from common import attempt, begin, enable_zeroshim, end, import_deepspeed, param_digest
+from common import Said, attempt, begin, enable_zeroshim, end, import_deepspeed, param_digest
 from tiny_mlp import H, Net, Rows
 
 deepspeed = import_deepspeed()
@@ -55,20 +53,7 @@ def train(max_grad_norm: float, key: bool) -> dict:
                 "grad_norms": [float(h.get("grad_norm", -1)) for h in logs], **param_digest(run.model_wrapped)}
 
 
-class Said(logging.Handler):
-    """zeroshim's WARNINGs about ``clip_grad_norm_``, as the user's log shows them."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-
-    def emit(self, record):
-        if "clip_grad_norm_" in record.getMessage():
-            self.lines.append(record.getMessage())
-
-
 SAID = Said()
-logging.getLogger("zeroshim").addHandler(SAID)
 
 
 def accelerate_loop(config_clipping: float) -> dict:
@@ -78,7 +63,7 @@ def accelerate_loop(config_clipping: float) -> dict:
 
     AcceleratorState._reset_state(True)  # one Accelerator per run (accelerate keeps its state in singletons)
     GradientState._reset_state()
-    del SAID.lines[:]
+    said_before = len(SAID.about("clip_grad_norm_"))  # this run's own
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 2},
            "gradient_clipping": config_clipping, "bf16": {"enabled": False}}
@@ -95,8 +80,8 @@ def accelerate_loop(config_clipping: float) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"clipping": engine.gradient_clipping(), "losses": losses, "grad_norms": norms, "said": list(SAID.lines),
-            **param_digest(engine)}
+    return {"clipping": engine.gradient_clipping(), "losses": losses, "grad_norms": norms,
+            "said": SAID.about("clip_grad_norm_")[said_before:], **param_digest(engine)}
 
 
 def main():

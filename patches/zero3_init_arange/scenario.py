@@ -22,7 +22,6 @@ float64 table, and the value at position 1,001; and zeroshim's WARNINGs about ro
 import functools
 import hashlib
 import json
-import logging
 import math
 import os
 
@@ -34,7 +33,7 @@ SPLIT = bool(os.environ.get("ZSARANGE_SPLIT"))
 import torch
 import torch.nn as nn
 
-from common import attempt, begin, enable_zeroshim, end, import_deepspeed, write_results
+from common import Said, attempt, begin, enable_zeroshim, end, import_deepspeed, write_results
 
 deepspeed = import_deepspeed()
 NAME = "zero3_init_arange"
@@ -66,24 +65,8 @@ class Guarded(nn.Module):
         self.proj = nn.Linear(DIM, DIM)
 
 
-class Said(logging.Handler):
-    """zeroshim's WARNINGs about rounded aranges (``lines``) and about aranges it kept (``kept``), as the user's log
-    shows them."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines, self.kept = [], []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if "zero.Init rounds torch.arange" in message:
-            self.lines.append(message)
-        elif "kept torch.arange's" in message:
-            self.kept.append(message)
-
-
 SAID = Said()
-logging.getLogger("zeroshim").addHandler(SAID)
+ROUNDED, KEPT = "zero.Init rounds torch.arange", "kept torch.arange's"  # zeroshim's two WARNINGs about aranges
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,16 +235,16 @@ def main():
     results["exact/with"] = attempt(guarded, True)
     results["init/with"] = attempt(llama)
     results["stats_exact"] = {k: zeroshim.stats(NAME)[k] - before[k] for k in before}
-    results["said_exact"] = list(SAID.lines)
+    results["said_exact"] = SAID.about(ROUNDED)
     results["with"] = attempt(rotary, True)
     results["stats"] = dict(zeroshim.stats(NAME))
-    results["said"] = list(SAID.lines)
+    results["said"] = SAID.about(ROUNDED)
     for how in ("from_config", "from_pretrained"):
         results[f"hf/{how}/with"] = attempt(hf, how, saved)
     results["hf/llama/with"] = attempt(hf_llama)
     results["stats_hf"] = {k: zeroshim.stats(NAME)[k] - results["stats"][k] for k in results["stats"]}
-    results["said_rounded_hf"] = SAID.lines[len(results["said"]):]
-    results["said_kept"] = list(SAID.kept)
+    results["said_rounded_hf"] = SAID.about(ROUNDED)[len(results["said"]):]
+    results["said_kept"] = SAID.about(KEPT)
     end(out, results)
 
 

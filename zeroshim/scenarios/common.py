@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -193,6 +194,22 @@ def train_with_trainer(model, dataset, checkpointing: bool, checkpointing_kwargs
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return {"losses": losses, "epoch": trainer.state.epoch, "global_step": trainer.state.global_step,
                 **param_digest(trainer.model_wrapped)}
+
+
+class Said(logging.Handler):
+    """zeroshim's WARNINGs (and above), as the user's log shows them, from when it is made on: ``about(phrase)``
+    lists those that contain ``phrase``, in order."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list = []
+        logging.getLogger("zeroshim").addHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def about(self, phrase: str) -> list:
+        return [message for message in self.messages if phrase in message]
 
 
 def describe(exc: BaseException) -> str:
