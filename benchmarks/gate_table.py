@@ -204,6 +204,10 @@ REQUIREMENTS = {
                               ("param_list",))],
     "muon_group_lr": [("params", E, "DeepSpeedEngine._configure_basic_optimizer", ("model_parameters",)),
                       ("attr", E, "DeepSpeedEngine.optimizer_name"), ("attr", E, "DeepSpeedEngine.optimizer_params")],
+    "muon_frozen_params": [("params", E, "DeepSpeedEngine._configure_basic_optimizer", ("model_parameters",)),
+                           ("attr", E, "DeepSpeedEngine.optimizer_name"),
+                           ("attr", E, "DeepSpeedEngine.optimizer_params"),
+                           ("attr", E, "DeepSpeedEngine.zero_optimization_stage")],
 }
 
 

@@ -55,4 +55,5 @@ PATCH_MODULES = (
     "bf16_zero1_last_microbatch",
     "zero3_inference_mode",
     "muon_group_lr",
+    "muon_frozen_params",
 )

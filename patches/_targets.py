@@ -45,6 +45,7 @@ TARGETS = {
     'bf16_zero1_last_microbatch': ('deepspeed.runtime.bf16_optimizer', 'deepspeed.runtime.engine'),
     'zero3_inference_mode': ('deepspeed.runtime.zero.partitioned_param_coordinator', 'deepspeed.runtime.zero.partition_parameters'),
     'muon_group_lr': ('deepspeed.runtime.engine',),
+    'muon_frozen_params': ('deepspeed.runtime.engine',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
