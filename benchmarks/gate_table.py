@@ -208,6 +208,8 @@ REQUIREMENTS = {
                            ("attr", E, "DeepSpeedEngine.optimizer_name"),
                            ("attr", E, "DeepSpeedEngine.optimizer_params"),
                            ("attr", E, "DeepSpeedEngine.zero_optimization_stage")],
+    "muon_zero_supported": [("params", "deepspeed.runtime.zero.utils", "is_zero_supported_optimizer", ("optimizer",)),
+                            ("attr", "deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAdam")],
 }
 
 

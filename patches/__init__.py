@@ -56,4 +56,5 @@ PATCH_MODULES = (
     "zero3_inference_mode",
     "muon_group_lr",
     "muon_frozen_params",
+    "muon_zero_supported",
 )

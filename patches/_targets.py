@@ -46,6 +46,7 @@ TARGETS = {
     'zero3_inference_mode': ('deepspeed.runtime.zero.partitioned_param_coordinator', 'deepspeed.runtime.zero.partition_parameters'),
     'muon_group_lr': ('deepspeed.runtime.engine',),
     'muon_frozen_params': ('deepspeed.runtime.engine',),
+    'muon_zero_supported': ('deepspeed.runtime.zero.utils',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),

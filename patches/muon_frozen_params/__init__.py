@@ -119,7 +119,8 @@ PATCH = Patch(
     name=NAME,
     summary="DeepSpeed's Muon optimizer on a partly frozen model: ZeRO-1/2 fails with \"torch.cat(): expected a "
             "non-empty list of Tensors\" (LoRA), and without ZeRO frozen parameters decay (silent)",
-    signatures=(r"torch\.cat\(\): expected a non-empty list of Tensors",),
+    # the message, and ZeRO-1/2's flattening of a param group in the traceback
+    signatures=((r"torch\.cat\(\): expected a non-empty list of Tensors", r"flatten_dense_tensors_aligned"),),
     affects={"deepspeed": ">=0.17.6,<0.18.7"},
     fingerprint=Fingerprint("deepspeed.runtime.engine",
                             r"muon_params = \[p for p in model_parameters if p\.use_muon\]",
