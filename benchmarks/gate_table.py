@@ -210,6 +210,9 @@ REQUIREMENTS = {
                            ("attr", E, "DeepSpeedEngine.zero_optimization_stage")],
     "muon_zero_supported": [("params", "deepspeed.runtime.zero.utils", "is_zero_supported_optimizer", ("optimizer",)),
                             ("attr", "deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAdam")],
+    "muon_newton_schulz": [("attr", "deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAdam.step"),
+                           ("params", "deepspeed.runtime.zero.muon.original_muon", "muon_update",
+                            ("grad", "momentum", "beta"))],
 }
 
 

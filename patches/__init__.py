@@ -57,4 +57,5 @@ PATCH_MODULES = (
     "muon_group_lr",
     "muon_frozen_params",
     "muon_zero_supported",
+    "muon_newton_schulz",
 )

@@ -79,6 +79,9 @@ def main():
         results[f"{case}/without"] = attempt(train, case)
 
     zeroshim = enable_zeroshim()
+    # the reference steps as DeepSpeed does; without ZeRO patch muon_newton_schulz gives Muon's matrices Muon's
+    # update (its own scenario proves that against Muon's reference implementation), which that step does not
+    zeroshim.unpatch("muon_newton_schulz")
 
     results["status"] = zeroshim.status()["muon_frozen_params"].as_dict()
     for case in CASES:
