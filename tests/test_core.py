@@ -130,6 +130,18 @@ def test_aliases_bound_before_patching_are_rebound_and_restored(target, registry
     assert user.f is original and module.f is original
 
 
+def test_aliases_bound_after_patching_are_restored_too(target, registry):
+    """``from target import f`` after zeroshim wrapped ``f`` (zeroshim imported first) binds the wrapper; undo puts
+    the original back there too."""
+    module = importlib.import_module(target)
+    original = module.f
+    patch = registry(targets={target: wrap_f(rebind=True)})
+    user = importlib.import_module(f"{target}_user")
+    assert user.f(3) == ("wrapped", 6)
+    zeroshim.unpatch(patch.name)
+    assert user.f is original and module.f is original
+
+
 def test_undo_restores_inherited_attribute_exactly(target, registry):
     module = importlib.import_module(target)
 

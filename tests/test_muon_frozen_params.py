@@ -96,11 +96,16 @@ def _params(*spec):
     (((True, False), (False, False)), 2, 0.1, False),  # nothing trainable: DeepSpeed's own error
     (((True, True), (False, False)), 3, 0.1, False),   # ZeRO-3: DeepSpeed refuses Muon
 ])
-def test_the_decision(spec, stage, decay, acts):
+@pytest.mark.parametrize("half", [False, True])
+def test_the_decision(spec, stage, decay, acts, half):
+    """``half``: fp16/bf16, where without ZeRO DeepSpeed's FP16_UnfusedOptimizer gives a frozen parameter a zero
+    gradient: a frozen Muon matrix no longer fails, only the weight decay moves frozen parameters."""
     from zeroshim.patches.muon_frozen_params import trainable_only
 
+    if half and stage == 0 and decay == 0:
+        acts = False
     params = _params(*spec)
-    found = trainable_only(params, stage, decay)
+    found = trainable_only(params, stage, decay, half)
     assert (found is not None) == acts, found
     if acts:
         assert found[0] == [p for p in params if p.requires_grad]

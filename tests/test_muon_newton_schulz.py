@@ -1,6 +1,9 @@
 """Patch muon_newton_schulz against real DeepSpeed (patches/muon_newton_schulz/scenario.py), 2 ranks: DeepSpeed's Muon
 optimizer from the config without ZeRO (fp32, bf16) and under ZeRO-2, against DeepSpeed's own ``SingleDeviceMuon``."""
 
+import subprocess
+import sys
+
 import pytest
 
 from harness import ds_before, load_proof, torchrun
@@ -82,3 +85,39 @@ def test_only_whole_matrices_of_muon_groups_are_updated():
     optimizer = torch.optim.SGD([{"params": [matrix, flat, no_grad], "use_muon": True},
                                  {"params": [adam], "use_muon": False}], lr=0.1)
     assert [p for _, p in whole_matrices(optimizer)] == [matrix]
+
+
+IMPORT_ORDER = """
+import zeroshim, torch, deepspeed
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+def step():
+    p = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+    optimizer = MuonWithAuxAdam([dict(params=[p], use_muon=True, lr=0.1, momentum=0.95, weight_decay=0.0)])
+    before = p.detach().clone()
+    p.grad = torch.ones(4, 4)
+    optimizer.step()
+    return p.detach() - before
+
+sgd = -0.1 * torch.ones(4, 4)
+first = step()
+print(zeroshim.stats("muon_newton_schulz")["acted"], torch.allclose(first, sgd))
+zeroshim.unpatch("muon_newton_schulz")
+after_undo = step()
+print(zeroshim.stats("muon_newton_schulz")["acted"], torch.allclose(after_undo, sgd))
+zeroshim.apply("muon_newton_schulz")
+again = step()
+print(zeroshim.stats("muon_newton_schulz")["acted"], torch.equal(again, first))
+"""
+
+
+@pytest.mark.skipif(not AFFECTED, reason="the patch installs nothing on this DeepSpeed")
+def test_zeroshim_imported_first_undo_and_apply_again():
+    """With zeroshim imported before the first optimizer (as users import it), torch puts its own wrapper on the
+    class's ``step``: the patch must still act once a step, stop at undo, and act once a step again after apply (it
+    hooks each optimizer, not ``step``)."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_ORDER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")[-4:-1]
+    # acted once, not SGD; after undo: nothing, SGD; applied again: once, the first step's update again
+    assert lines == ["1 False", "0 True", "1 True"], out.stdout

@@ -1,6 +1,9 @@
 """Patch muon_zero_supported against real DeepSpeed (patches/muon_zero_supported/scenario.py), 2 ranks: DeepSpeed's Muon
 optimizer from the config under ZeRO-1 and ZeRO-2, without ``zero_allow_untested_optimizer``."""
 
+import subprocess
+import sys
+
 import pytest
 
 from harness import ds_before, load_proof, torchrun
@@ -82,3 +85,27 @@ def test_doctor_names_muon_under_zero_without_the_key(affected):
     assert not said(0)  # no ZeRO: no check
     assert not said(3)  # ZeRO-3: DeepSpeed refuses Muon there with its own message
     assert not said(2, kind="AdamW")
+
+
+IMPORT_ORDER = """
+import zeroshim, deepspeed
+import deepspeed.runtime.engine as engine, deepspeed.runtime.zero.utils as utils
+from zeroshim._patcher import is_patched_by
+
+def state():
+    return (is_patched_by(engine.is_zero_supported_optimizer, "muon_zero_supported"),
+            is_patched_by(utils.is_zero_supported_optimizer, "muon_zero_supported"))
+
+print(*state())
+zeroshim.unpatch("muon_zero_supported")
+print(*state(), engine.is_zero_supported_optimizer is utils.is_zero_supported_optimizer)
+"""
+
+
+@pytest.mark.skipif(not AFFECTED, reason="the patch installs nothing on this DeepSpeed")
+def test_zeroshim_imported_first_the_engines_name_is_wrapped_and_undone():
+    """zeroshim imported first: the engine's ``from ... import is_zero_supported_optimizer`` binds the wrapper;
+    undo must put DeepSpeed's function back there too."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_ORDER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:-1] == ["True True", "False False True"], out.stdout

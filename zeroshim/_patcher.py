@@ -130,6 +130,8 @@ class Patcher:
         self.set(owner, attr, wrapped)
         if rebind_aliases:
             self._rebind_aliases(current, wrapped)
+            # names bound to the wrapper after this (``from x import f`` once zeroshim ran): put back at undo too
+            self.on_undo(lambda: self._unbind_later_aliases(owner, current, wrapped))
         return wrapped
 
     def wrap_hot(self, owner: Any, attr: str, wrapper: Callable, replacement: "Callable[[Callable], Callable]") -> Any:
@@ -186,6 +188,22 @@ class Patcher:
         if self._aliases:
             log.debug("zeroshim[%s]: rebound %d alias(es) of %s", self.patch_name,
                       len(self._aliases), getattr(original, "__qualname__", original))
+
+    @staticmethod
+    def _unbind_later_aliases(owner: Any, original: Any, replacement: Any) -> None:
+        """Module globals other than ``owner``'s own that hold ``replacement`` get ``original`` back (the owner's
+        attribute is undone as a recorded change)."""
+        own = getattr(owner, "__dict__", None)
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict) or namespace is own:
+                continue
+            try:
+                keys = [k for k, v in namespace.items() if v is replacement]
+            except RuntimeError:  # pragma: no cover - dict changed during a concurrent import
+                continue
+            for key in keys:
+                namespace[key] = original
 
     # -- undoing ------------------------------------------------------------------
     def undo(self) -> None:

@@ -7,10 +7,11 @@ Symptom
     * under ZeRO-1 and ZeRO-2, where one kind of parameter (Muon's matrices, or the auxiliary Adam group's
       embeddings, norms, biases and head) has no trainable member, ``deepspeed.initialize`` fails with
       ``ValueError: torch.cat(): expected a non-empty list of Tensors`` (DeepSpeed #7869's traceback; LoRA
-      adapters alone are all Muon matrices, so every LoRA run fails);
-    * without ZeRO (stage 0), a frozen Muon matrix fails the first step (``AttributeError: 'NoneType' object has
-      no attribute 'reshape'``), and frozen Adam-group parameters train: each step decays them by
-      ``weight_decay``, silently.
+      adapters alone are all Muon matrices, so a LoRA run that passes ``model.parameters()`` fails; the HF Trainer
+      and accelerate pass only trainable parameters);
+    * without ZeRO (stage 0), in fp32 a frozen Muon matrix fails the first step (``AttributeError: 'NoneType'
+      object has no attribute 'reshape'``), and frozen parameters train: each step decays them by
+      ``weight_decay``, silently (in fp16/bf16 every frozen parameter, DeepSpeed giving them zero gradients).
 
 Cause
     ``DeepSpeedEngine._configure_basic_optimizer`` splits ``model_parameters`` into the Muon group
@@ -34,8 +35,8 @@ Fix
     ``DeepSpeedEngine._configure_basic_optimizer`` is wrapped: for the Muon optimizer, where ``model_parameters``
     holds frozen parameters, DeepSpeed gets only the trainable ones, the groups 0.18.7 builds, where that changes
     something: under ZeRO-1/2 where a kind has no trainable member (elsewhere ZeRO already leaves frozen
-    parameters out: the run is the same bit for bit, and zeroshim does nothing); without ZeRO where a Muon matrix
-    is frozen or the weight decay is not 0.  Where it acts without ZeRO it changes the run's numbers: frozen
+    parameters out: the run is the same bit for bit, and zeroshim does nothing); without ZeRO where the weight
+    decay is not 0, or in fp32 a Muon matrix is frozen.  Where it acts without ZeRO it changes the run's numbers: frozen
     parameters stay as they were.  One WARNING per job, naming the case.  Ranks that disagree stop.
 
 Undo
@@ -57,9 +58,11 @@ NAME = "muon_frozen_params"
 stats = {"acted": 0}
 
 
-def trainable_only(params, stage: int, weight_decay) -> "tuple[list, str] | None":
+def trainable_only(params, stage: int, weight_decay, half_precision: bool = False) -> "tuple[list, str] | None":
     """``(trainable parameters, why)`` where DeepSpeed 0.17.6 - 0.18.6 would fail or step frozen parameters with
-    ``params`` (a list of tensors with ``use_muon``) at ZeRO ``stage``, else None: nothing to change."""
+    ``params`` (a list of tensors with ``use_muon``) at ZeRO ``stage``, else None: nothing to change.
+    ``half_precision``: fp16 or bf16, where without ZeRO DeepSpeed's ``FP16_UnfusedOptimizer`` gives every
+    parameter without a gradient a zero one (a frozen Muon matrix then does not fail; it decays as the others)."""
     import torch
 
     if not isinstance(params, (list, tuple)) or \
@@ -68,7 +71,6 @@ def trainable_only(params, stage: int, weight_decay) -> "tuple[list, str] | None
     trainable = [p for p in params if p.requires_grad]
     if not trainable or len(trainable) == len(params):
         return None
-    frozen_muon = any(p.use_muon and not p.requires_grad for p in params)
     if stage in (1, 2):
         empty = [name for muon, name in ((True, "Muon"), (False, "Adam"))
                  if any(bool(p.use_muon) == muon for p in params)
@@ -79,9 +81,10 @@ def trainable_only(params, stage: int, weight_decay) -> "tuple[list, str] | None
                            "ValueError: torch.cat(): expected a non-empty list of Tensors)")
     if stage != 0:
         return None  # ZeRO-3: DeepSpeed refuses Muon there
+    frozen_muon = not half_precision and any(p.use_muon and not p.requires_grad for p in params)
     decays = isinstance(weight_decay, (int, float)) and weight_decay != 0
     if not frozen_muon and not decays:
-        return None  # a zero-gradient Adam step without weight decay leaves a frozen parameter as it was
+        return None  # a zero-gradient step without weight decay leaves a frozen parameter as it was
     return trainable, ("without ZeRO Muon's optimizer steps frozen parameters: "
                        + ("a frozen Muon matrix fails the step (its gradient is None)" if frozen_muon else
                           f"each step decays them by weight_decay {weight_decay!r}"))
@@ -93,7 +96,8 @@ def _configure(wrapped, instance, args, kwargs):
         if is_active(NAME) and str(instance.optimizer_name()).lower() == "muon":
             given = args[0] if args else kwargs.get("model_parameters")
             found = trainable_only(given, instance.zero_optimization_stage(),
-                                   (instance.optimizer_params() or {}).get("weight_decay", 0))
+                                   (instance.optimizer_params() or {}).get("weight_decay", 0),
+                                   instance.fp16_enabled() or instance.bfloat16_enabled())
             if found is not None:
                 trainable, why = found
                 stats["acted"] += 1
@@ -108,7 +112,8 @@ def _configure(wrapped, instance, args, kwargs):
 def patch_engine(module, patcher: Patcher) -> None:
     cls = require_attr(module, "DeepSpeedEngine")
     require_params(cls._configure_basic_optimizer, "model_parameters")
-    for method in ("optimizer_name", "optimizer_params", "zero_optimization_stage"):
+    for method in ("optimizer_name", "optimizer_params", "zero_optimization_stage", "fp16_enabled",
+                   "bfloat16_enabled"):
         require_attr(cls, method)
     patcher.wrap(cls, "_configure_basic_optimizer", _configure)
 

@@ -1,10 +1,12 @@
 """Give DeepSpeed's Muon optimizer its update where no ZeRO optimizer computes it, as DeepSpeed 0.19.7 does.
 
 Symptom
-    Nothing fails.  DeepSpeed's Muon optimizer (``"optimizer": {"type": "Muon"}``) without ZeRO (stage 0, or an
-    optimizer wrapper that keeps each weight whole) trains its matrices by plain SGD on DeepSpeed 0.17.6 to 0.19.6:
-    no momentum, no Newton-Schulz orthogonalization, only the raw gradient times the learning rate.  The
-    auxiliary Adam group trains as it should, so losses still fall.
+    Nothing fails.  DeepSpeed's Muon optimizer (``"optimizer": {"type": "Muon"}``) without ZeRO (stage 0: fp32,
+    or fp16/bf16 through ``FP16_UnfusedOptimizer``, which keeps each weight whole) trains its matrices by plain SGD
+    on DeepSpeed 0.17.6 to 0.19.6: no momentum, no Newton-Schulz orthogonalization, only the raw gradient times the
+    learning rate.  The auxiliary Adam group trains as it should, so losses still fall.  The same holds under
+    ``BF16_Optimizer`` (bf16 with ``grad_accum_dtype`` fp32 at ZeRO stage 0 or 1, or bf16 pipelines), which hands
+    Muon flat fp32 copies, on every release before 0.19.7 (which refuses it).
 
 Cause
     In those releases ``MuonWithAuxAdam.step`` (``deepspeed/runtime/zero/muon/muon_optimizer.py``) applies the Muon
@@ -24,19 +26,26 @@ Flag
     ``ZEROSHIM_MUON_NEWTON_SCHULZ=auto|on|off`` (default ``auto``).
 
 Fix
-    ``MuonWithAuxAdam.step`` is wrapped: before DeepSpeed's step, each Muon-group parameter that is still a
-    matrix (two or more dimensions) and has a gradient gets Muon's update in place of the gradient,
+    Each ``MuonWithAuxAdam`` gets a step pre-hook (``register_step_pre_hook``, from its wrapped ``__init__``):
+    before DeepSpeed's step, each Muon-group parameter that is still a matrix (two or more dimensions) and has a
+    gradient gets Muon's update in place of the gradient,
     ``muon_update(grad, momentum_buffer, beta=momentum)`` from DeepSpeed's own ``original_muon`` (with
     ``ns_method`` and ``is_expert_group`` where that release takes them), the momentum buffer kept in the
     optimizer's state as 0.19.7 keeps it; DeepSpeed's step then applies the weight decay and the learning rate as
-    before.  Flat partitions (ZeRO) and the Adam group are left alone.  When it acts it changes the run's numbers
-    (it trains with Muon): one WARNING per job.  Ranks that disagree stop.
+    before.  Flat partitions (ZeRO) and the Adam group are left alone.  A first step whose gradients are all zero
+    (``FP16_UnfusedOptimizer`` takes one inside ``deepspeed.initialize``) is left to DeepSpeed: Muon's update of a
+    zero gradient is zero.  When it acts it changes the run's numbers (it trains with Muon): one WARNING per job.
+    Ranks that disagree stop.
 
-    Not covered: DeepSpeed's ``BF16_Optimizer`` and fused ``FP16_Optimizer`` hand Muon flat fp32 copies, so no
-    matrix is left to orthogonalize (0.19.7 refuses ``BF16_Optimizer`` with Muon loudly).
+    Not fixed: under ``BF16_Optimizer`` no matrix is left to orthogonalize.  ``DeepSpeedEngine
+    ._configure_bf16_optimizer`` is wrapped to say so once at WARNING when it wraps Muon, with the remedy (0.19.7
+    refuses it).
 
 Undo
-    ``zeroshim.unpatch("muon_newton_schulz")`` restores ``MuonWithAuxAdam.step``.
+    ``zeroshim.unpatch("muon_newton_schulz")`` restores ``MuonWithAuxAdam.__init__`` and
+    ``_configure_bf16_optimizer``; optimizers built before keep a hook that no longer acts.  (The class's ``step``
+    is not wrapped: torch replaces it with its own profiling wrapper when the first optimizer is built, which no
+    undo could see through.)
 
 Evidence
     benchmarks/RESULTS.md, ``muon_newton_schulz``.
@@ -91,31 +100,65 @@ def _update(optimizer, whole, muon_update, takes) -> None:
             state["momentum_buffer"] = momentum
 
 
+def _first_zero_step(optimizer, whole) -> bool:
+    """A step before any momentum exists whose gradients are all zero (``FP16_UnfusedOptimizer``'s step inside
+    ``deepspeed.initialize``): Muon's update is zero, as DeepSpeed's."""
+    return not any("momentum_buffer" in optimizer.state[p] for _, p in whole) and \
+        not any(bool(p.grad.any()) for _, p in whole)
+
+
 def patch_optimizer(module, patcher: Patcher) -> None:
+    import torch
+
     cls = require_attr(module, "MuonWithAuxAdam")
-    require_attr(cls, "step")
+    require_attr(torch.optim.Optimizer, "register_step_pre_hook")  # torch >= 2.0
     from deepspeed.runtime.zero.muon import original_muon  # the module MuonWithAuxAdam's own import comes from
 
     muon_update = require_attr(original_muon, "muon_update")
     require_params(muon_update, "grad", "momentum", "beta")
     takes = frozenset(name for name in OPTIONAL if name in inspect.signature(muon_update).parameters)
 
-    def step(wrapped, instance, args, kwargs):
-        """Wraps ``MuonWithAuxAdam.step``."""
+    def pre_step(optimizer, args, kwargs):
+        """A step pre-hook of each ``MuonWithAuxAdam``."""
         with guard(NAME):
             if is_active(NAME):
-                whole = whole_matrices(instance)
-                if whole:
+                whole = whole_matrices(optimizer)
+                if whole and not _first_zero_step(optimizer, whole):
                     # said before anything changes: if saying it fails, guard's fallback leaves the step DeepSpeed's
-                    _log.acted(NAME, "Muon's %d whole matrices get Muon's update (momentum, Newton-Schulz) in the "
+                    _log.acted(NAME, "Muon's whole matrices (%d) get Muon's update (momentum, Newton-Schulz) in the "
                                "optimizer's step, as DeepSpeed 0.19.7 does", "DeepSpeed %s computes it only inside "
                                "ZeRO-1/2/3, so without a ZeRO optimizer the Muon group trains by SGD",
                                len(whole), _versions.shown("deepspeed"))
                     stats["acted"] += 1
-                    _update(instance, whole, muon_update, takes)
+                    _update(optimizer, whole, muon_update, takes)
+        return None
+
+    def init(wrapped, instance, args, kwargs):
+        """Wraps ``MuonWithAuxAdam.__init__``."""
+        wrapped(*args, **kwargs)
+        with guard(NAME):
+            instance.register_step_pre_hook(pre_step)
+
+    patcher.wrap(cls, "__init__", init)
+
+
+def patch_engine(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "DeepSpeedEngine")
+    require_params(cls._configure_bf16_optimizer, "optimizer")
+
+    def configure_bf16(wrapped, instance, args, kwargs):
+        """Wraps ``DeepSpeedEngine._configure_bf16_optimizer(optimizer)``: says once that Muon trains by SGD there."""
+        with guard(NAME):
+            optimizer = args[0] if args else kwargs.get("optimizer")
+            if is_active(NAME) and "muon" in type(optimizer).__name__.lower():
+                _log.warning("zeroshim[%s]: DeepSpeed %s wraps the Muon optimizer in BF16_Optimizer (bf16 with "
+                             "grad_accum_dtype fp32 at ZeRO stage 0 or 1), which hands Muon flat fp32 copies and "
+                             "never applies its Newton-Schulz update: the Muon group trains by SGD. DeepSpeed 0.19.7 "
+                             "refuses this configuration. Drop grad_accum_dtype, or use ZeRO stage 2.", NAME,
+                             _versions.shown("deepspeed"), once=(NAME, "bf16_optimizer"))
         return wrapped(*args, **kwargs)
 
-    patcher.wrap(cls, "step", step)
+    patcher.wrap(cls, "_configure_bf16_optimizer", configure_bf16)
 
 
 PATCH = Patch(
@@ -129,5 +172,5 @@ PATCH = Patch(
     fingerprint=Fingerprint("deepspeed.runtime.zero.muon.muon_optimizer",
                             r'p\.add_\(p\.grad\.reshape\(p\.shape\), alpha=-group\["lr"\]\)',
                             "the Muon group's step applies the raw gradient (0.19.7 applies muon_update's result)"),
-    targets={"deepspeed.runtime.zero.muon.muon_optimizer": patch_optimizer},
+    targets={"deepspeed.runtime.zero.muon.muon_optimizer": patch_optimizer, "deepspeed.runtime.engine": patch_engine},
 )
