@@ -47,7 +47,7 @@ TARGETS = {
     'muon_group_lr': ('deepspeed.runtime.engine',),
     'muon_frozen_params': ('deepspeed.runtime.engine',),
     'muon_zero_supported': ('deepspeed.runtime.zero.utils',),
-    'muon_newton_schulz': ('deepspeed.runtime.zero.muon.muon_optimizer', 'deepspeed.runtime.engine'),
+    'muon_newton_schulz': ('deepspeed.runtime.engine',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),

@@ -52,6 +52,22 @@ def test_fingerprint_without_source_leaves_the_version_to_decide():
     assert verdict is True and "source fingerprint not checked" in reason
 
 
+def test_a_module_missing_from_a_package_installed_as_source_has_no_such_bug(tmp_path, monkeypatch):
+    """A release without the module that holds the buggy line (DeepSpeed before Muon has no ``runtime/zero/muon``):
+    read as no bug, naming the folder; a fix's mark that is missing there, or a package without sources, stays
+    unread (the version decides)."""
+    from zeroshim._source import Fingerprint, check
+
+    name = f"zs_pkg_{uuid.uuid4().hex[:8]}"
+    (tmp_path / name / "runtime").mkdir(parents=True)
+    (tmp_path / name / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bug, seen = check(Fingerprint(f"{name}.runtime.muon", "buggy", "the thing"))
+    assert bug is False and f"{name}.runtime.muon does not exist in" in seen
+    assert check(Fingerprint(f"{name}.runtime.muon", "fix", "the thing", bug_when="absent"))[0] is None
+    assert check(Fingerprint("zs_no_such_package_anywhere.muon", "buggy", "the thing"))[0] is None
+
+
 # -- the function that actually runs (zeroshim._source.reaches) ------------------------
 def test_reaches_reads_through_decorators_overloads_and_helpers(source_module):
     """The shape of torch 2.14's checkpoint(): @overload stubs, a functools.wraps decorator (as

@@ -52,6 +52,11 @@ def check(fingerprint: Fingerprint) -> "Tuple[Optional[bool], str]":
     """``(bug exists?, what was seen)``; ``(None, why)`` if the source cannot be read."""
     path = module_file(fingerprint.module)
     if path is None:
+        root = module_file(fingerprint.module.split(".")[0])
+        if root is not None and os.path.basename(root) == "__init__.py" and fingerprint.bug_when == "present":
+            # a package installed as source without that module: this release has no such code, so no such bug
+            # (a package without sources, or a fix's mark that is absent, stays unread)
+            return False, f"{fingerprint.module} does not exist in {os.path.dirname(root)}"
         return None, f"no source file found for {fingerprint.module}"
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:

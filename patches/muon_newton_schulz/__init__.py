@@ -107,11 +107,15 @@ def _first_zero_step(optimizer, whole) -> bool:
         not any(bool(p.grad.any()) for _, p in whole)
 
 
-def patch_optimizer(module, patcher: Patcher) -> None:
+def patch_engine(module, patcher: Patcher) -> None:
+    """The engine's module imports ``MuonWithAuxAdam`` (from ``deepspeed.runtime.zero.muon.muon_optimizer``, which
+    only releases with Muon have): its ``__init__`` and the engine's ``_configure_bf16_optimizer`` are wrapped."""
     import torch
 
     cls = require_attr(module, "MuonWithAuxAdam")
     require_attr(torch.optim.Optimizer, "register_step_pre_hook")  # torch >= 2.0
+    engine = require_attr(module, "DeepSpeedEngine")
+    require_params(engine._configure_bf16_optimizer, "optimizer")
     from deepspeed.runtime.zero.muon import original_muon  # the module MuonWithAuxAdam's own import comes from
 
     muon_update = require_attr(original_muon, "muon_update")
@@ -139,18 +143,11 @@ def patch_optimizer(module, patcher: Patcher) -> None:
         with guard(NAME):
             instance.register_step_pre_hook(pre_step)
 
-    patcher.wrap(cls, "__init__", init)
-
-
-def patch_engine(module, patcher: Patcher) -> None:
-    cls = require_attr(module, "DeepSpeedEngine")
-    require_params(cls._configure_bf16_optimizer, "optimizer")
-
     def configure_bf16(wrapped, instance, args, kwargs):
         """Wraps ``DeepSpeedEngine._configure_bf16_optimizer(optimizer)``: says once that Muon trains by SGD there."""
         with guard(NAME):
             optimizer = args[0] if args else kwargs.get("optimizer")
-            if is_active(NAME) and "muon" in type(optimizer).__name__.lower():
+            if is_active(NAME) and isinstance(optimizer, cls):
                 _log.warning("zeroshim[%s]: DeepSpeed %s wraps the Muon optimizer in BF16_Optimizer (bf16 with "
                              "grad_accum_dtype fp32 at ZeRO stage 0 or 1), which hands Muon flat fp32 copies and "
                              "never applies its Newton-Schulz update: the Muon group trains by SGD. DeepSpeed 0.19.7 "
@@ -158,7 +155,8 @@ def patch_engine(module, patcher: Patcher) -> None:
                              _versions.shown("deepspeed"), once=(NAME, "bf16_optimizer"))
         return wrapped(*args, **kwargs)
 
-    patcher.wrap(cls, "_configure_bf16_optimizer", configure_bf16)
+    patcher.wrap(cls, "__init__", init)
+    patcher.wrap(engine, "_configure_bf16_optimizer", configure_bf16)
 
 
 PATCH = Patch(
@@ -172,5 +170,5 @@ PATCH = Patch(
     fingerprint=Fingerprint("deepspeed.runtime.zero.muon.muon_optimizer",
                             r'p\.add_\(p\.grad\.reshape\(p\.shape\), alpha=-group\["lr"\]\)',
                             "the Muon group's step applies the raw gradient (0.19.7 applies muon_update's result)"),
-    targets={"deepspeed.runtime.zero.muon.muon_optimizer": patch_optimizer, "deepspeed.runtime.engine": patch_engine},
+    targets={"deepspeed.runtime.engine": patch_engine},
 )
