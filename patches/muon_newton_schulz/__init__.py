@@ -4,9 +4,9 @@ Symptom
     Nothing fails.  DeepSpeed's Muon optimizer (``"optimizer": {"type": "Muon"}``) without ZeRO (stage 0: fp32,
     or fp16/bf16 through ``FP16_UnfusedOptimizer``, which keeps each weight whole) trains its matrices by plain SGD
     on DeepSpeed 0.17.6 to 0.19.6: no momentum, no Newton-Schulz orthogonalization, only the raw gradient times the
-    learning rate.  The auxiliary Adam group trains as it should, so losses still fall.  The same holds under
-    ``BF16_Optimizer`` (bf16 with ``grad_accum_dtype`` fp32 at ZeRO stage 0 or 1, or bf16 pipelines), which hands
-    Muon flat fp32 copies, on every release before 0.19.7 (which refuses it).
+    learning rate.  The auxiliary Adam group trains as it should, so losses still fall.  The same holds where
+    DeepSpeed wraps Muon in ``BF16_Optimizer``, which hands it flat fp32 copies (its source selects that for bf16
+    with ``grad_accum_dtype`` fp32 at ZeRO stage 0 or 1, and bf16 pipelines; 0.19.7 refuses it).
 
 Cause
     In those releases ``MuonWithAuxAdam.step`` (``deepspeed/runtime/zero/muon/muon_optimizer.py``) applies the Muon
@@ -18,9 +18,9 @@ Cause
 Affected versions
     DeepSpeed >= 0.17.6, < 0.19.7, read from the released sdists: 0.17.5 has no Muon; 0.17.6, 0.18.2 and 0.19.6
     step with ``p.add_(p.grad.reshape(p.shape), alpha=-group["lr"])`` (the source fingerprint); 0.19.7 and 0.19.8
-    with ``muon_update``'s result.  Reproduced on 0.18.2 and 0.19.2 (CPU, 2 ranks): fp32 without ZeRO calls
-    ``muon_update`` 0 times a step; bf16 without ZeRO (``FP16_UnfusedOptimizer``) too.  ZeRO-1/2 runs are
-    not affected (their partitions are flat: nothing to do).
+    with ``muon_update``'s result.  Reproduced (CPU, 2 ranks): on 0.18.2 fp32 and bf16 without ZeRO call
+    ``muon_update`` 0 times a step; on 0.18.2 and 0.19.2 both train otherwise than Muon's reference
+    implementation.  ZeRO-1/2 runs are not affected (their partitions are flat: nothing to do).
 
 Flag
     ``ZEROSHIM_MUON_NEWTON_SCHULZ=auto|on|off`` (default ``auto``).
@@ -149,7 +149,7 @@ def patch_engine(module, patcher: Patcher) -> None:
             optimizer = args[0] if args else kwargs.get("optimizer")
             if is_active(NAME) and isinstance(optimizer, cls):
                 _log.warning("zeroshim[%s]: DeepSpeed %s wraps the Muon optimizer in BF16_Optimizer (bf16 with "
-                             "grad_accum_dtype fp32 at ZeRO stage 0 or 1), which hands Muon flat fp32 copies and "
+                             "grad_accum_dtype fp32), which hands Muon flat fp32 copies and "
                              "never applies its Newton-Schulz update: the Muon group trains by SGD. DeepSpeed 0.19.7 "
                              "refuses this configuration. Drop grad_accum_dtype, or use ZeRO stage 2.", NAME,
                              _versions.shown("deepspeed"), once=(NAME, "bf16_optimizer"))
