@@ -17,34 +17,19 @@ Each run records the losses, a digest of the parameters and the names of the fro
 
 import torch
 import torch._dynamo
-import torch.nn as nn
 
-from common import attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
+from common import TinyLM as Tiny, attempt, begin, ds_config, enable_zeroshim, end, import_deepspeed, param_digest
 
 deepspeed = import_deepspeed()
 # DeepSpeed >= 0.18.3 compiles Muon's kernels with torch.compile on their first call; every run here runs them
 # eagerly alike
 torch._dynamo.config.disable = True
-VOCAB, H, STEPS, MICRO = 32, 16, 3, 2
+VOCAB, STEPS, MICRO = Tiny.VOCAB, 3, 2
 CASES = {
     "zero2/adapters": (2, lambda name: name in ("fc1.weight", "fc2.weight")),
     "zero0/frozen_embed": (0, lambda name: not name.startswith(("embed", "norm"))),
     "zero2/mixed": (2, lambda name: not name.startswith(("embed", "fc1"))),
 }
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, H)
-        self.fc1, self.fc2 = nn.Linear(H, H), nn.Linear(H, H)
-        self.norm = nn.LayerNorm(H)
-        self.lm_head = nn.Linear(H, VOCAB)
-
-    def forward(self, tokens):
-        hidden = self.norm(self.fc2(torch.relu(self.fc1(self.embed(tokens)))))
-        logits = self.lm_head(hidden[:, :-1])
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
 def train(case: str, reference: bool = False) -> dict:

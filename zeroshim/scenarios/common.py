@@ -16,7 +16,9 @@ import tempfile
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 
 IMPORT_COMPAT_PATCHES = ("torch_elastic_compat", "numpy2_compat")
@@ -127,6 +129,26 @@ def ds_config(stage: int, *, micro_batch: int = 4, bf16: bool = True, clip: floa
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+class TinyLM(nn.Module):
+    """The Muon scenarios' small language model: embedding ``VOCAB`` x ``WIDTH``, two ``WIDTH`` x ``WIDTH`` linear
+    layers, a norm, a ``WIDTH -> VOCAB`` head, next-token cross-entropy.  Muon's rule puts the two linear weights
+    in its group, the rest in the Adam group."""
+
+    VOCAB, WIDTH = 32, 16
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(self.VOCAB, self.WIDTH)
+        self.fc1, self.fc2 = nn.Linear(self.WIDTH, self.WIDTH), nn.Linear(self.WIDTH, self.WIDTH)
+        self.norm = nn.LayerNorm(self.WIDTH)
+        self.lm_head = nn.Linear(self.WIDTH, self.VOCAB)
+
+    def forward(self, tokens):
+        hidden = self.norm(self.fc2(torch.relu(self.fc1(self.embed(tokens)))))
+        logits = self.lm_head(hidden[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), tokens[:, 1:].reshape(-1))
 
 
 def tiny_llama_config():
