@@ -174,17 +174,9 @@ class Patcher:
         # class are never imported by name into another module's namespace.
         if type(original).__name__ != "function":
             return
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            try:
-                items = [(k, v) for k, v in namespace.items() if v is original]
-            except RuntimeError:  # pragma: no cover - dict changed during a concurrent import
-                continue
-            for key, _ in items:
-                namespace[key] = replacement
-                self._aliases.append((namespace, key, original, replacement))
+        for namespace, key in _globals_holding(original):
+            namespace[key] = replacement
+            self._aliases.append((namespace, key, original, replacement))
         if self._aliases:
             log.debug("zeroshim[%s]: rebound %d alias(es) of %s", self.patch_name,
                       len(self._aliases), getattr(original, "__qualname__", original))
@@ -193,17 +185,8 @@ class Patcher:
     def _unbind_later_aliases(owner: Any, original: Any, replacement: Any) -> None:
         """Module globals other than ``owner``'s own that hold ``replacement`` get ``original`` back (the owner's
         attribute is undone as a recorded change)."""
-        own = getattr(owner, "__dict__", None)
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict) or namespace is own:
-                continue
-            try:
-                keys = [k for k, v in namespace.items() if v is replacement]
-            except RuntimeError:  # pragma: no cover - dict changed during a concurrent import
-                continue
-            for key in keys:
-                namespace[key] = original
+        for namespace, key in _globals_holding(replacement, skip=getattr(owner, "__dict__", None)):
+            namespace[key] = original
 
     # -- undoing ------------------------------------------------------------------
     def undo(self) -> None:
@@ -233,6 +216,21 @@ class Patcher:
             else:
                 setattr(owner, attr, previous)
         self._changes.clear()
+
+
+def _globals_holding(value: Any, skip: "Optional[dict]" = None) -> "List[Tuple[dict, str]]":
+    """``(namespace, key)`` of every module global in ``sys.modules`` that is ``value`` (``skip``: a module's
+    namespace left out)."""
+    found = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or namespace is skip:
+            continue
+        try:
+            found += [(namespace, k) for k, v in namespace.items() if v is value]
+        except RuntimeError:  # pragma: no cover - dict changed during a concurrent import
+            continue
+    return found
 
 
 def is_patched_by(obj: Any, patch_name: Optional[str] = None) -> bool:
