@@ -58,4 +58,5 @@ PATCH_MODULES = (
     "muon_frozen_params",
     "muon_zero_supported",
     "muon_newton_schulz",
+    "bf16_zero0_grads",
 )

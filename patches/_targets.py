@@ -48,6 +48,7 @@ TARGETS = {
     'muon_frozen_params': ('deepspeed.runtime.engine',),
     'muon_zero_supported': ('deepspeed.runtime.zero.utils',),
     'muon_newton_schulz': ('deepspeed.runtime.engine',),
+    'bf16_zero0_grads': ('deepspeed.runtime.engine',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
