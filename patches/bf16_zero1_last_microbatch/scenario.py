@@ -60,6 +60,9 @@ def main():
     results["other/without"] = attempt(train, fp32_accum=False, stage=0)
 
     zeroshim = enable_zeroshim()
+    # bf16 without ZeRO (the "other" runs: DeepSpeed's fp16 wrapper) is patch bf16_zero0_grads's bug on 0.17.6-0.18.5
+    # (its own scenario proves it); left out here, where those runs show only that this patch does not act there
+    zeroshim.unpatch("bf16_zero0_grads")
 
     results["status"] = zeroshim.status()["bf16_zero1_last_microbatch"].as_dict()
     results["with"] = attempt(train)
