@@ -59,4 +59,5 @@ PATCH_MODULES = (
     "muon_zero_supported",
     "muon_newton_schulz",
     "bf16_zero0_grads",
+    "zero2_accumulation_overwrite",
 )

@@ -49,6 +49,7 @@ TARGETS = {
     'muon_zero_supported': ('deepspeed.runtime.zero.utils',),
     'muon_newton_schulz': ('deepspeed.runtime.engine',),
     'bf16_zero0_grads': ('deepspeed.runtime.engine',),
+    'zero2_accumulation_overwrite': ('deepspeed.runtime.zero.stage_1_and_2',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
