@@ -11,6 +11,9 @@ pytestmark = pytest.mark.deepspeed
 # gate: tests/test_inert_gates.py compares the two
 AFFECTED = not ds_before("0.17.6") and ds_before("0.18.6")
 UNSCALED_LOSS = AFFECTED and not ds_before("0.18.3")
+# 0.17.6-0.18.4: BFLOAT16 and DDP_BFLOAT16 are the same string, so bf16 ZeRO-1 with fp32 accumulation gets the fp16
+# wrapper too (0.18.5, #7790, builds BF16_Optimizer)
+SHARED_CONSTANT = AFFECTED and ds_before("0.18.5")
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +70,27 @@ def test_with_zeroshim_equals_the_reference_bit_for_bit(ranks):
         # the loaded state dict's dynamic scale of 65536 does not come back
         if AFFECTED:
             assert rank["loaded"]["loaded"] == [65536, True] and rank["loaded"]["after"] == [1.0, False]
-            assert rank["stats"] == {"unscaled": 4, "cleared": 8}  # with, cleared/with, the load (built, loaded); 4 steps each
+            # with, cleared/with, the load (built, loaded), and up to 0.18.4 zero1fp32/with; 4 steps each of the
+            # first two (under ZeRO DeepSpeed clears them itself)
+            assert rank["stats"] == {"unscaled": 4 + SHARED_CONSTANT, "cleared": 8}
         else:
             assert rank["stats"] == {"unscaled": 0, "cleared": 0}
+
+
+def test_zero1_with_fp32_accumulation(ranks):
+    """Up to 0.18.4 DeepSpeed builds the fp16 wrapper where BF16_Optimizer was asked for (no partitioning: the run
+    trains as stage 0), and zeroshim uses no loss scale there either: the reference's bits.  Without zeroshim that
+    holds where the loss is multiplied by the scale (up to 0.18.2).  0.18.5 builds BF16_Optimizer (patch
+    bf16_zero1_last_microbatch's, which changes that run)."""
+    for rank in ranks:
+        without, with_ = rank["zero1fp32/without"], rank["zero1fp32/with"]
+        assert without["ok"] and with_["ok"], (without.get("error"), with_.get("error"))
+        assert without["optimizer"] == ("FP16_UnfusedOptimizer" if SHARED_CONSTANT else "BF16_Optimizer")
+        if SHARED_CONSTANT:
+            assert (without["cur_scale"], with_["cur_scale"]) == (65536, 1.0)
+            reference = rank["reference"]["param_sha256"]
+            assert with_["param_sha256"] == reference
+            assert (without["param_sha256"] == reference) != UNSCALED_LOSS
 
 
 def test_zero_runs_are_left_alone(ranks):

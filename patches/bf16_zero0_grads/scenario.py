@@ -14,6 +14,9 @@ Runs, in one process per rank:
 * ``with``, ``cleared/with``: the plain and the clearing loop with zeroshim (as the reference);
 * ``other/without``, ``other/with``: bf16 under ZeRO-2 (DeepSpeed's ZeRO optimizer, not the fp16 wrapper): nothing to
   change, the two runs must be equal bit for bit;
+* ``zero1fp32/without``, ``zero1fp32/with``: bf16 ZeRO-1 with ``grad_accum_dtype`` fp32, where ``BF16_Optimizer`` was
+  asked for: DeepSpeed 0.17.6-0.18.4 build the fp16 wrapper instead (on 0.18.2 its loss is multiplied by the scale:
+  the same parameters with and without zeroshim; 0.18.5 builds ``BF16_Optimizer``: nothing to change);
 * ``loaded``: a wrapper built with zeroshim loads the state dict of one built without it (dynamic scale 65536): its
   scale after the load.
 
@@ -30,19 +33,21 @@ deepspeed = import_deepspeed()
 H, STEPS, MICRO = 16, 4, 4
 
 
-def build(scale_one=False, stage=0):
+def build(scale_one=False, stage=0, fp32_accum=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, 4))
     cfg = ds_config(stage, micro_batch=MICRO)
     if scale_one:
         cfg["fp16"] = {"enabled": False, "loss_scale": 1.0}
+    if fp32_accum:
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                       config=cfg)
     return engine
 
 
-def train(scale_one=False, clear=False, stage=0) -> dict:
-    engine = build(scale_one, stage)
+def train(scale_one=False, clear=False, stage=0, fp32_accum=False) -> dict:
+    engine = build(scale_one, stage, fp32_accum)
     gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     losses, norms = [], []
     for _ in range(STEPS):
@@ -74,6 +79,7 @@ def main():
     results["without"] = attempt(train)
     results["cleared/without"] = attempt(train, clear=True)
     results["other/without"] = attempt(train, stage=2)
+    results["zero1fp32/without"] = attempt(train, stage=1, fp32_accum=True)
     state = build().optimizer.state_dict()
 
     zeroshim = enable_zeroshim()
@@ -82,6 +88,7 @@ def main():
     results["with"] = attempt(train)
     results["cleared/with"] = attempt(train, clear=True)
     results["other/with"] = attempt(train, stage=2)
+    results["zero1fp32/with"] = attempt(train, stage=1, fp32_accum=True)
     results["loaded"] = attempt(loaded, state)
     results["stats"] = dict(zeroshim.stats("bf16_zero0_grads"))
     end(out, results)

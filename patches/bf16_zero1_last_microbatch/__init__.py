@@ -1,4 +1,4 @@
-"""Average the boundary micro-batch's gradient too, in bf16 ZeRO-1 with fp32 gradient accumulation (DeepSpeed 0.18.3-0.18.9).
+"""Average the boundary micro-batch's gradient too, in bf16 ZeRO-1 with fp32 gradient accumulation (DeepSpeed 0.18.5-0.18.9).
 
 Symptom
     Nothing fails.  With ``bf16`` enabled, ZeRO stage 1 and
@@ -22,12 +22,16 @@ Cause
     the order does not matter.
 
 Affected versions
-    DeepSpeed 0.18.3 to 0.18.9, read from the released sdists
+    DeepSpeed 0.18.5 to 0.18.9, read from the released sdists
     (``runtime/engine.py``, ``_backward_epilogue``): 0.18.0-0.18.2 copy in
     ``BF16_Optimizer.backward()``, before the all-reduce; every release from
     0.18.3 to 0.18.9 all-reduces, then calls ``backward_epilogue()``; 0.19.0
     calls it first.  That order is the source fingerprint (#44 item 5 said
-    0.18.6).
+    0.18.6).  But 0.17.6-0.18.4 never build ``BF16_Optimizer`` for this
+    config: their ``BFLOAT16`` and ``DDP_BFLOAT16`` are the same string
+    (``runtime/constants.py``; 0.18.5, #7790, renames the second), so it gets
+    the fp16 wrapper (patch ``bf16_zero0_grads``).  On 0.18.3 and 0.18.4 the
+    patch therefore reports "not affected" from that constant.
 
 Flag
     ``ZEROSHIM_BF16_ZERO1_LAST_MICROBATCH=auto|on|off`` (default ``auto``).
@@ -52,7 +56,7 @@ import threading
 
 from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
-from zeroshim._patcher import Patcher, guard, require, require_attr
+from zeroshim._patcher import NotAffected, Patcher, guard, require, require_attr
 from zeroshim._source import Fingerprint
 
 NAME = "bf16_zero1_last_microbatch"
@@ -105,6 +109,9 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
 
 
 def patch_engine(module, patcher: Patcher) -> None:
+    if getattr(module, "DDP_BFLOAT16", None) == getattr(module, "BFLOAT16", None):
+        raise NotAffected("this DeepSpeed never builds BF16_Optimizer for bf16 ZeRO-1 with fp32 accumulation "
+                          "(BFLOAT16 and DDP_BFLOAT16 are the same string): see patch bf16_zero0_grads")
     cls = require_attr(module, "DeepSpeedEngine")
     require_attr(cls, "_backward_epilogue")
     patcher.wrap(cls, "_backward_epilogue", _epilogue)
@@ -128,7 +135,7 @@ PATCH = Patch(
     summary="bf16 ZeRO-1 with fp32 gradient accumulation (BF16_Optimizer) on several ranks: the last micro-batch "
             "of each accumulation is added after the all-reduce and stays rank-local (silent)",
     signatures=(),
-    affects={"deepspeed": ">=0.18.3,<0.19.0"},
+    affects={"deepspeed": ">=0.18.5,<0.19.0"},
     fingerprint=Fingerprint("deepspeed.runtime.engine",
                             r"self\.allreduce_gradients\(\)\n\n        if isinstance\(self\.optimizer, ZeROOptimizer\):"
                             r"\n            self\.optimizer\.backward_epilogue\(\)",

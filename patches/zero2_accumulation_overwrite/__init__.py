@@ -6,7 +6,10 @@ Symptom
     the earlier ones are dropped, the reported gradient norm is smaller than ZeRO-1's or ZeRO-3's for the same run,
     and the model trains to other numbers than on any other stage or release (DeepSpeed #7718, "Incorrect gradient
     computation in ZeRO-2 with DeepSpeed >= 0.17.6"; TRL #4540 and accelerate #3877 report the same divergence).
-    Every ZeRO-2 run with accumulation on those releases, the HF Trainer's, TRL's and LLaMA-Factory's included.
+    Every ZeRO-2 run with accumulation on those releases, the HF Trainer's, TRL's and LLaMA-Factory's included.  So
+    does DeepSpeed's own way to accumulate by hand with ``gradient_accumulation_steps`` 1,
+    ``engine.set_gradient_accumulation_boundary(False)`` before every backward but the last (#1588; the ZeRO-2 +
+    offload form of it is ``zero_manual_accumulation``'s).
 
 Cause
     ZeRO-2 reduces each micro-batch's gradients as they are formed and hands them to
@@ -32,8 +35,9 @@ Fix
     to replace ``all_grad_tensors`` although that group holds the gradients of earlier micro-batches of the same
     accumulation (``averaged_gradients`` not yet filled), the new gradients are added to those and they are
     returned, so the epilogue keeps the sum, as 0.18.3 does (the same ``add_``, in the same order), up to and with
-    the boundary's micro-batch.  The first micro-batch of each accumulation (nothing earlier to add to), offload
-    and ``gradient_accumulation_steps`` 1 are left as they are.  It changes the numbers of every such run (all micro-batches count): said once per job at WARNING.
+    the boundary's micro-batch, with ``gradient_accumulation_steps`` above 1 or backward calls marked as not the
+    boundary.  The first micro-batch of each accumulation (nothing earlier to add to), offload, and several
+    boundary backward calls before one step (``zero_manual_accumulation``'s) are left as they are.  It changes the numbers of every such run (all micro-batches count): said once per job at WARNING.
     Ranks that disagree stop.
 
 Undo
@@ -51,7 +55,8 @@ from zeroshim._patcher import Patcher, guard, require_attr, require_params
 from zeroshim._source import Fingerprint
 
 NAME = "zero2_accumulation_overwrite"
-#: accumulated: epilogue calls whose micro-batch was added to the earlier ones instead of replacing them
+#: accumulated: (epilogue call, parameter group) pairs whose micro-batch was added to the earlier ones instead of
+#: replacing them
 stats = {"accumulated": 0}
 
 

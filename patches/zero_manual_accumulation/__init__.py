@@ -20,7 +20,9 @@ Symptom
     ``engine.set_gradient_accumulation_boundary(False)`` before every backward
     but the last, keeps only the last micro-batch under ZeRO-2 +
     ``offload_optimizer`` before 0.19.0 (measured on 0.14.1 and 0.16.9; the
-    case #7981 fixed).
+    case #7981 fixed), and under ZeRO-2 without offload on 0.17.6 - 0.18.2
+    (patch ``zero2_accumulation_overwrite``'s, with the configured
+    accumulation).
 
 Cause
     With ``gradient_accumulation_steps`` 1 every ``backward`` is an
