@@ -425,6 +425,36 @@ def test_bf16_steps_skipped_on_overflow_from_0_19_3(deepspeed, config, said):
 
 
 @pytest.mark.parametrize("deepspeed, config, said", [
+    ("0.18.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                "data_types": {"grad_accum_dtype": "fp32"}}, True),
+    ("0.18.4", {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 0},
+                "data_types": {"grad_accum_dtype": "fp32"}}, True),
+    ("0.17.6", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                "data_types": {"grad_accum_dtype": "fp32"}}, True),
+    ("0.18.5", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                "data_types": {"grad_accum_dtype": "fp32"}}, False),  # builds BF16_Optimizer
+    ("0.17.5", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                "data_types": {"grad_accum_dtype": "fp32"}}, False),
+    ("0.18.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                "data_types": {"grad_accum_dtype": "fp32"}}, False),  # the ZeRO optimizer
+    ("0.18.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, False),  # no fp32 accumulation
+    ("0.18.2", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, False)])
+def test_bf16_optimizer_asked_for_where_deepspeed_never_builds_it(deepspeed, config, said):
+    """DeepSpeed 0.17.6-0.18.4: BFLOAT16 == DDP_BFLOAT16 ("bf16"), so bf16 with fp32 accumulation at stage 0 or 1 gets
+    the fp16 wrapper (run on 0.18.2 and 0.18.4: FP16_UnfusedOptimizer, trained as stage 0; 0.18.5 builds
+    BF16_Optimizer; RESULTS 63).  The boundary is written here."""
+    from zeroshim import _dsconfig
+
+    found = [f for f in _dsconfig.general_findings(_dsconfig.read(config)[0], deepspeed)
+             if "not the BF16_Optimizer" in f["message"]]
+    assert bool(found) == said, found
+    if said:
+        assert found[0]["level"] == "warning" and "Remedy: DeepSpeed >= 0.18.5" in found[0]["message"]
+        assert ("partitions no optimizer state" in found[0]["message"]) == ("'stage': 1" in str(config))
+
+
+@pytest.mark.parametrize("deepspeed, config, said", [
     ("0.19.8", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, True),
     ("0.19.8", {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": 9}}}, True),
     ("0.19.8", {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 9}}}, True),  # its 0.001

@@ -109,6 +109,10 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
 #: DeepSpeed's ZeRO-1/2 optimizer skips a bf16 step whose gradients hold inf or NaN by default from this release
 #: (``DeepSpeedBF16Config.check_grad_overflow``: False in the 0.19.2 sdist, True in 0.19.3 and 0.19.8; #8035)
 BF16_OVERFLOW_CHECK_FROM = "0.19.3"
+#: DeepSpeed 0.17.6 (#7515) added ``DDP_BFLOAT16`` with the value of ``BFLOAT16`` ("bf16"), so its optimizer choice
+#: (``in [FP16, DDP_BFLOAT16]`` before ``== BFLOAT16``) never builds BF16_Optimizer; 0.18.5 (#7790) renamed it
+#: ("ddp_bf16"); read at the tags v0.17.5, v0.17.6, v0.18.2, v0.18.4, v0.18.5 (runtime/constants.py)
+BF16_OPTIMIZER_UNREACHABLE = ">=0.17.6,<0.18.5"
 #: DeepSpeed schedulers that give every param group the same peak rate when ``warmup_max_lr`` is one number
 #: (``_format_param`` repeats it; WarmupDecayLR calls WarmupLR's ``__init__``); WarmupCosineLR scales each group's
 #: own rate
@@ -185,6 +189,17 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
                            "group's rate. Drop the scheduler section, use WarmupCosineLR (it scales each group's own "
                            "rate), or write warmup_max_lr as a list, one rate per group.")
     bf16 = cfg.raw.get("bf16") if isinstance(cfg.raw.get("bf16"), dict) else cfg.raw.get("bfloat16")
+    types = cfg.raw.get("data_types") if isinstance(cfg.raw.get("data_types"), dict) else {}
+    fp32_accum = str(types.get("grad_accum_dtype")).strip().lower() in _FP32
+    if deepspeed and _enabled(bf16) and fp32_accum and cfg.stage in (0, 1) and cfg.offload_optimizer in NONE_DEVICES \
+            and _versions.in_range(deepspeed, BF16_OPTIMIZER_UNREACHABLE):
+        add("warning", f"bf16 with grad_accum_dtype fp32 at ZeRO stage {cfg.stage}: DeepSpeed {deepspeed} builds its "
+                       "fp16 wrapper (FP16_UnfusedOptimizer) here, not the BF16_Optimizer this config asks for (its "
+                       "BFLOAT16 and DDP_BFLOAT16 are the same string, fixed in 0.18.5), so gradients accumulate in "
+                       "bf16, not fp32" + (", and ZeRO-1 partitions no optimizer state: every rank holds all of it"
+                                           if cfg.stage == 1 else "")
+                       + ". zeroshim patch bf16_zero0_grads corrects that wrapper's loss scale (0.18.3-0.18.4 divide "
+                       "every gradient by 65536), not this. Remedy: DeepSpeed >= 0.18.5.")
     if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16 \
             and not _bf16_optimizer(cfg):
         if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_CHECK_FROM}"):
