@@ -11,7 +11,7 @@ Symptom
     * without ZeRO the gradients are never cleared after a step: a loop that calls only ``engine.backward()`` and
       ``engine.step()`` steps with the sum of every gradient since the first step, and the gradient norms grow
       from step to step.  So does an accelerate loop (under DeepSpeed its optimizer's ``zero_grad()`` does nothing:
-      read in accelerate 1.15.0).  The HF Trainer, and TRL's trainers built on it, clear the gradients themselves
+      run with accelerate 1.15.0 on 0.18.2).  The HF Trainer, and TRL's trainers built on it, clear the gradients themselves
       (``model.zero_grad()``) and do not see this part;
     * on 0.18.3-0.18.5 the gradients are divided by 65536 at every step although the loss was never multiplied by
       it: Adam's steps shrink wherever a gradient divided by 65536 comes near its ``eps``, and gradient clipping
