@@ -129,12 +129,16 @@ def _enabled(section) -> bool:
     return isinstance(section, dict) and str(section.get("enabled")).strip().lower() in _TRUE
 
 
+def _fp32_accumulation(cfg: DSConfig) -> bool:
+    """``data_types.grad_accum_dtype`` fp32 without optimizer offload: what asks DeepSpeed for BF16_Optimizer."""
+    types = cfg.raw.get("data_types") if isinstance(cfg.raw.get("data_types"), dict) else {}
+    return str(types.get("grad_accum_dtype")).strip().lower() in _FP32 and cfg.offload_optimizer in NONE_DEVICES
+
+
 def _bf16_optimizer(cfg: DSConfig) -> bool:
     """Does DeepSpeed run this config with BF16_Optimizer (bf16 ZeRO-1 accumulating in fp32, no optimizer
     offload), which skips a step with an inf or NaN gradient norm whatever ``check_grad_overflow`` says?"""
-    types = cfg.raw.get("data_types") if isinstance(cfg.raw.get("data_types"), dict) else {}
-    return cfg.stage == 1 and str(types.get("grad_accum_dtype")).strip().lower() in _FP32 and \
-        cfg.offload_optimizer in NONE_DEVICES
+    return cfg.stage == 1 and _fp32_accumulation(cfg)
 
 
 def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[dict]":
@@ -189,9 +193,7 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
                            "group's rate. Drop the scheduler section, use WarmupCosineLR (it scales each group's own "
                            "rate), or write warmup_max_lr as a list, one rate per group.")
     bf16 = cfg.raw.get("bf16") if isinstance(cfg.raw.get("bf16"), dict) else cfg.raw.get("bfloat16")
-    types = cfg.raw.get("data_types") if isinstance(cfg.raw.get("data_types"), dict) else {}
-    fp32_accum = str(types.get("grad_accum_dtype")).strip().lower() in _FP32
-    if deepspeed and _enabled(bf16) and fp32_accum and cfg.stage in (0, 1) and cfg.offload_optimizer in NONE_DEVICES \
+    if deepspeed and _enabled(bf16) and cfg.stage in (0, 1) and _fp32_accumulation(cfg) \
             and _versions.in_range(deepspeed, BF16_OPTIMIZER_UNREACHABLE):
         add("warning", f"bf16 with grad_accum_dtype fp32 at ZeRO stage {cfg.stage}: DeepSpeed {deepspeed} builds its "
                        "fp16 wrapper (FP16_UnfusedOptimizer) here, not the BF16_Optimizer this config asks for (its "

@@ -109,18 +109,18 @@ def _say(engine, when: str) -> None:
                    "with their sum)", when, _versions.shown("deepspeed"), scale)
 
 
-def _is_bf16_unfused(optimizer, dtype) -> bool:
-    import torch  # imported by DeepSpeed already; never by ``import zeroshim``
-
-    return dtype is torch.bfloat16 and bool(_unfused) and isinstance(optimizer, _unfused[0])
+def _is_unfused(optimizer) -> bool:
+    return bool(_unfused) and isinstance(optimizer, _unfused[0])
 
 
 def _configure(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngine._configure_fp16_optimizer(optimizer, low_precision_dtype)``."""
     optimizer = wrapped(*args, **kwargs)
     with guard(NAME):
+        import torch  # imported by DeepSpeed already; never by ``import zeroshim``
+
         dtype = args[1] if len(args) > 1 else kwargs.get("low_precision_dtype")
-        if is_active(NAME) and _is_bf16_unfused(optimizer, dtype):
+        if is_active(NAME) and dtype is torch.bfloat16 and _is_unfused(optimizer):
             _ours.add(optimizer)
             _unscale(optimizer, instance, "at the start")
     return optimizer
@@ -144,13 +144,11 @@ def _take_model_step(wrapped, instance, args, kwargs):
         if not is_active(NAME) or optimizer is None:
             return result
         if optimizer not in _ours:
-            import torch
-
-            if not (instance.bfloat16_enabled() and _is_bf16_unfused(optimizer, torch.bfloat16)):
+            if not (instance.bfloat16_enabled() and _is_unfused(optimizer)):
                 return result
             _ours.add(optimizer)
-            if not instance.zero_optimization():
-                optimizer.zero_grad()  # the gradients of this step, formed under the old scale
+            # safe after the step: its gradients, formed under the old scale, are cleared below (or by DeepSpeed
+            # under ZeRO) before the next backward
             _unscale(optimizer, instance, "from the step after zeroshim applied")
         if not instance.zero_optimization():
             optimizer.zero_grad()
