@@ -224,6 +224,9 @@ REQUIREMENTS = {
                            ("params", E, "DeepSpeedEngine._configure_bf16_optimizer", ("optimizer",)),
                            ("params", "deepspeed.runtime.zero.muon.original_muon", "muon_update",
                             ("grad", "momentum", "beta"))],
+    "gas_output_scaling": [("params", E, "DeepSpeedEngine.backward", ("loss", "retain_graph", "scale_wrt_gas")),
+                           ("params", E, "DeepSpeedEngine._backward_prologue_per_tensor", ("grad",)),
+                           ("attr", E, "DeepSpeedEngine.gradient_accumulation_steps")],
 }
 
 

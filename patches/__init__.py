@@ -60,4 +60,5 @@ PATCH_MODULES = (
     "muon_newton_schulz",
     "bf16_zero0_grads",
     "zero2_accumulation_overwrite",
+    "gas_output_scaling",
 )

@@ -50,6 +50,7 @@ TARGETS = {
     'muon_newton_schulz': ('deepspeed.runtime.engine',),
     'bf16_zero0_grads': ('deepspeed.runtime.engine',),
     'zero2_accumulation_overwrite': ('deepspeed.runtime.zero.stage_1_and_2',),
+    'gas_output_scaling': ('deepspeed.runtime.engine',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
