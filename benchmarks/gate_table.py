@@ -227,6 +227,11 @@ REQUIREMENTS = {
     "gas_output_scaling": [("params", E, "DeepSpeedEngine.backward", ("loss", "retain_graph", "scale_wrt_gas")),
                            ("params", E, "DeepSpeedEngine._backward_prologue_per_tensor", ("grad",)),
                            ("attr", E, "DeepSpeedEngine.gradient_accumulation_steps")],
+    "zero3_universal_load": [("params", "deepspeed.runtime.zero.stage3",
+                              "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+                              ("checkpoint_dir",)),
+                             ("params", "deepspeed.runtime.zero.stage3",
+                              "DeepSpeedZeroOptimizer_Stage3._load_global_state_stage3", ("sd",))],
 }
 
 

@@ -61,4 +61,5 @@ PATCH_MODULES = (
     "bf16_zero0_grads",
     "zero2_accumulation_overwrite",
     "gas_output_scaling",
+    "zero3_universal_load",
 )

@@ -51,6 +51,7 @@ TARGETS = {
     'bf16_zero0_grads': ('deepspeed.runtime.engine',),
     'zero2_accumulation_overwrite': ('deepspeed.runtime.zero.stage_1_and_2',),
     'gas_output_scaling': ('deepspeed.runtime.engine',),
+    'zero3_universal_load': ('deepspeed.runtime.zero.stage3',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
