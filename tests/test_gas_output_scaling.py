@@ -89,11 +89,20 @@ def test_a_direct_backward_is_left_as_deepspeed_has_it(ranks):
             assert got == pytest.approx(want / 4, rel=1e-5), (got, want)
 
 
+def test_a_loss_over_two_engines_is_divided_once(ranks):
+    """``a.backward(a(x)... + b(x)...)``: both engines' gradients are the true ones divided by 4, with and without
+    zeroshim (the other engine's output hooks pass through, as 0.19.6's graph tracker has them)."""
+    for rank in ranks:
+        for arm in ("without", "with"):
+            run = rank[f"two/{arm}"]
+            assert run["a_ratios"] + run["b_ratios"] == pytest.approx([1.0] * 4, rel=1e-5), (arm, run)
+
+
 def test_stats_and_status(ranks):
     for rank in ranks:
-        # 8 backward calls in each of dict, hidden, z1/dict, z3/dict, shared, logits and plain, 6 in logits3;
-        # trainer's 8 pass scale_wrt_gas=False; ga1 and direct are not scaled
-        assert rank["stats"] == ({"scaled": 62, "unscaled": 8} if AFFECTED else {"scaled": 0, "unscaled": 0})
+        # 8 backward calls in each of dict, hidden, z1/dict, z3/dict, shared, logits and plain, 6 in logits3, 1 in
+        # two; trainer's 8 pass scale_wrt_gas=False; ga1 and direct are not scaled
+        assert rank["stats"] == ({"scaled": 63, "unscaled": 8} if AFFECTED else {"scaled": 0, "unscaled": 0})
         assert rank["status"]["state"] == ("applied" if AFFECTED else "skipped"), rank["status"]
 
 

@@ -54,10 +54,13 @@ def test_without_zeroshim_the_first_groups_settings_and_one_step(ranks):
 
 
 def test_the_shared_step_alone(ranks):
-    """Two groups with the same settings: the step is the only difference, and it changes the training."""
+    """Two groups with the same settings, and one group in two sub-groups: the step is the only difference, and it
+    changes the training."""
     for rank in ranks:
-        assert _same(rank["same/universal/without"], rank["same/plain/without"]) != AFFECTED
-        assert _same(rank["same/universal/with"], rank["same/plain/without"])
+        for label in ("same/", "split/"):
+            assert rank[f"{label}plain/without"]["distinct_step_tensors"] == 2, label
+            assert _same(rank[f"{label}universal/without"], rank[f"{label}plain/without"]) != AFFECTED, label
+            assert _same(rank[f"{label}universal/with"], rank[f"{label}plain/without"]), label
 
 
 def test_with_zeroshim_the_universal_resume_equals_the_ordinary_one_bit_for_bit(ranks):
@@ -68,7 +71,7 @@ def test_with_zeroshim_the_universal_resume_equals_the_ordinary_one_bit_for_bit(
 
 def test_what_was_right_is_unchanged(ranks):
     for rank in ranks:
-        for label in ("", "same/", "single/"):
+        for label in ("", "same/", "split/", "single/"):
             assert _same(rank[f"{label}plain/with"], rank[f"{label}plain/without"]), label
         assert _same(rank["single/universal/with"], rank["single/universal/without"])
         assert _same(rank["single/universal/without"], rank["single/plain/without"])
@@ -76,9 +79,9 @@ def test_what_was_right_is_unchanged(ranks):
 
 def test_stats_and_status(ranks):
     for rank in ranks:
-        # one shared step copied in universal/with and same/universal/with; the bias group's settings restored in
-        # universal/with only
-        assert rank["stats"] == ({"copied": 2, "regrouped": 1, "mismatched": 0} if AFFECTED
+        # one shared step copied in each of universal/with, same/universal/with and split/universal/with; the bias
+        # group's settings restored in universal/with only
+        assert rank["stats"] == ({"copied": 3, "regrouped": 1, "mismatched": 0} if AFFECTED
                                  else {"copied": 0, "regrouped": 0, "mismatched": 0})
         assert rank["status"]["state"] == ("applied" if AFFECTED else "skipped"), rank["status"]
 

@@ -39,8 +39,9 @@ Affected versions
 
     Not changed, because 0.19.6 and later keep it too: ``output.backward()`` called directly (not through
     ``engine.backward``) is divided at each hooked output, so a ``{"loss", "logits"}`` output is divided twice there
-    on every release from 0.18.3, 0.19.8 included.  ``PipelineEngine`` scales in its own
-    ``_backward_prologue_per_tensor`` and is left alone.
+    on every release from 0.18.3, 0.19.8 included.  Pipeline engines are left as DeepSpeed has them: their stages
+    before the last divided the gradient again on 0.18.3-0.19.2, fixed in 0.19.3 (#8154, which gives
+    ``PipelineEngine`` its own ``_backward_prologue_per_tensor``); not examined further.
 
 Flag
     ``ZEROSHIM_GAS_OUTPUT_SCALING=auto|on|off`` (default ``auto``).
@@ -49,14 +50,16 @@ Fix
     ``DeepSpeedEngine.backward`` is wrapped: with ``gradient_accumulation_steps`` above 1 it registers, for the
     call, a hook on the loss that divides the loss's gradient by the accumulation steps (where ``scale_wrt_gas`` is
     true) -- the same division of the same value as 0.19.6's ``loss / gradient_accumulation_steps()`` -- and marks
-    the engine so that ``DeepSpeedEngine._backward_prologue_per_tensor``, also wrapped, passes the gradients of the
-    output hooks through unchanged during that call.  DeepSpeed's own code runs as it is, with the loss it was
-    given: its return value, its loss scaling and the other patches that look at the loss are unchanged.  Where the
-    forward returned the loss alone the gradients are those of the unpatched run bit for bit; where it returned
-    more, or the loss has parts from elsewhere, they are 0.19.6's.  A forward that returned a tensor the loss was
-    computed from outside (``loss = f(engine(x))``) has the division at the loss instead of that tensor: the same
-    bits where the accumulation steps are a power of two, possibly the last bit otherwise.  It changes the numbers
-    of the runs it fixes: said once per job at WARNING.  Ranks that disagree stop.
+    the engine and the backward pass's autograd graph task, so that
+    ``DeepSpeedEngine._backward_prologue_per_tensor``, also wrapped, passes the gradients of the output hooks
+    through unchanged during that call -- this engine's, and another engine's whose outputs are in the same loss, as
+    0.19.6's graph tracker does. DeepSpeed's own code runs as it is, with the loss it was given: its return value,
+    its loss scaling and the other patches that look at the loss are unchanged. Where the forward returned the loss
+    alone the gradients are those of the unpatched run bit for bit; where it returned more, or the loss has parts
+    from elsewhere, they are 0.19.6's. A forward that returned a tensor the loss was computed from outside (``loss =
+    f(engine(x))``) has the division at the loss instead of that tensor: the same bits where the accumulation steps
+    are a power of two, possibly the last bit otherwise. It changes the numbers of the runs it fixes: said once per
+    job at WARNING. Ranks that disagree stop.
 
 Undo
     ``zeroshim.unpatch("gas_output_scaling")`` restores ``backward`` and ``_backward_prologue_per_tensor``.
@@ -79,17 +82,26 @@ NAME = "gas_output_scaling"
 #: unscaled: calls with scale_wrt_gas false whose output hooks were kept from dividing
 stats = {"scaled": 0, "unscaled": 0}
 _inside: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> depth of engine.backward calls
+_tasks: dict = {}  # autograd graph task id -> count, for the backward passes a patched engine.backward runs
 _base: list = []  # DeepSpeedEngine, once patched
 
 
 def _own_scaling(engine) -> bool:
-    """A subclass with its own per-tensor scaling (``PipelineEngine``): left to it."""
+    """A pipeline engine (it scales by stage, #8154) or a subclass with its own per-tensor scaling: left to it."""
     for cls in type(engine).__mro__:
         if _base and cls is _base[0]:
             return False
-        if "_backward_prologue_per_tensor" in vars(cls):
+        if cls.__module__.startswith("deepspeed.runtime.pipe") or "_backward_prologue_per_tensor" in vars(cls):
             return True
     return True
+
+
+def _task() -> int:
+    """The running autograd graph task's id (-1 outside one, or where torch lacks the call)."""
+    import torch
+
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
 
 
 def _plan(engine, args, kwargs):
@@ -120,36 +132,62 @@ def _say(engine, divided: bool) -> None:
                    "on) is divided twice", _versions.shown("deepspeed"))
 
 
+def _loss_hook(steps, seen: list):
+    """The hook on the loss: notes the graph task (every engine's output hooks in it pass through, as 0.19.6's
+    tracker does) and divides once where asked."""
+
+    def hook(grad):
+        with guard(NAME):
+            task = _task()
+            if task != -1 and task not in seen:
+                seen.append(task)
+                _tasks[task] = _tasks.get(task, 0) + 1
+        return grad / steps if steps is not None else grad
+
+    return hook
+
+
 def _backward(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngine.backward(loss, retain_graph=False, scale_wrt_gas=True)``."""
-    plan, handle = None, None
+    plan, handle, seen = None, None, []
     with guard(NAME):
         plan = _plan(instance, args, kwargs)
         if plan is not None:
             loss, steps = plan
-            if steps is not None:
-                handle = loss.register_hook(lambda grad: grad / steps)
+            handle = loss.register_hook(_loss_hook(steps, seen))
             _inside[instance] = _inside.get(instance, 0) + 1
-            stats["scaled" if steps is not None else "unscaled"] += 1
-            _say(instance, steps is not None)
     if plan is None:
         return wrapped(*args, **kwargs)
     try:
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
     finally:
         with guard(NAME):
             if handle is not None:
                 handle.remove()
+            for task in seen:
+                left = _tasks.get(task, 1) - 1
+                if left:
+                    _tasks[task] = left
+                else:
+                    _tasks.pop(task, None)
             depth = _inside.get(instance, 1) - 1
             if depth:
                 _inside[instance] = depth
             else:
                 _inside.pop(instance, None)
+    with guard(NAME):
+        stats["scaled" if plan[1] is not None else "unscaled"] += 1
+        _say(instance, plan[1] is not None)
+    return result
 
 
 def _per_tensor(wrapped, instance, args, kwargs):
-    """Wraps ``DeepSpeedEngine._backward_prologue_per_tensor(grad)``: unchanged inside a scaled engine.backward."""
-    if instance in _inside:
+    """Wraps ``DeepSpeedEngine._backward_prologue_per_tensor(grad)``: unchanged inside a patched engine.backward
+    (this engine's, or any engine's whose backward pass this is)."""
+    passing = False
+    with guard(NAME):
+        passing = instance in _inside or (bool(_tasks) and _task() in _tasks)
+    if passing:
         return args[0] if args else kwargs.get("grad")
     return wrapped(*args, **kwargs)
 
@@ -166,6 +204,7 @@ def patch_engine(module, patcher: Patcher) -> None:
 
 def _reset() -> None:
     _inside.clear()
+    _tasks.clear()
     _base.clear()
 
 

@@ -20,7 +20,12 @@ Runs, in one process per rank (``/without`` before ``import zeroshim``, ``/with`
   ``logits3/...``: the same at 3 micro-batches (the division is not exact: recorded, not judged);
 * ``ga1/...``: the dict output with ``gradient_accumulation_steps`` 1 (nothing to divide);
 * ``direct/...``: the dict output and ``outputs["loss"].backward()`` instead of ``engine.backward`` (divided at each
-  output on every release from 0.18.3, 0.19.8 included; zeroshim leaves it: recorded).
+  output on every release from 0.18.3, 0.19.8 included; zeroshim leaves it: recorded);
+* ``two/...``: one loss over two engines' outputs (ZeRO-1, one micro-batch), ``a.backward(loss)``: each engine's
+  gradient against the true one divided by 4 (right on every release; zeroshim must not divide the other engine's
+  part twice).
+
+The dict runs call ``engine.backward(loss=...)``, ``trainer`` passes its arguments by position.
 
 Each run records the losses, the gradient norm DeepSpeed reports at each step and a digest of the parameters.
 """
@@ -81,7 +86,9 @@ def train(stage=2, output="loss", ga=4, aux="none", trainer=False, direct=False)
         if direct:
             loss.backward()
         elif trainer:
-            engine.backward(loss / ga, scale_wrt_gas=False)
+            engine.backward(loss / ga, False, False)  # positional: retain_graph, scale_wrt_gas
+        elif output == "dict":
+            engine.backward(loss=loss)  # the keyword form
         else:
             engine.backward(loss)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -90,6 +97,26 @@ def train(stage=2, output="loss", ga=4, aux="none", trainer=False, direct=False)
             norm = engine.get_global_grad_norm()
             norms.append(None if norm is None else float(norm))
     return {"losses": losses, "grad_norms": norms, **param_digest(engine)}
+
+
+def two_engines() -> dict:
+    """One loss over two engines' outputs, ``a.backward(loss)``, ZeRO-1: each engine's local gradient against the
+    true gradient divided by the accumulation steps (1.0 is right)."""
+    cfg = ds_config(1, micro_batch=MICRO, bf16=False)
+    cfg["gradient_accumulation_steps"] = 4
+    torch.manual_seed(0)
+    nets = (nn.Linear(8, 4), nn.Linear(8, 4))
+    copies = [nn.Linear(8, 4) for _ in nets]
+    for copy, net in zip(copies, nets):
+        copy.load_state_dict(net.state_dict())
+    a, b = (deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config=cfg)[0]
+            for net in nets)
+    x = torch.randn(MICRO, 8, generator=torch.Generator().manual_seed(100 + torch.distributed.get_rank()))
+    a.backward(a(x).pow(2).mean() + b(x).pow(2).mean())
+    (copies[0](x).pow(2).mean() + copies[1](x).pow(2).mean()).backward()
+    ratios = [float(p.grad.norm() / (q.grad / 4).norm()) for engine, copy in zip((a, b), copies)
+              for p, q in zip(engine.module.parameters(), copy.parameters())]
+    return {"a_ratios": ratios[:2], "b_ratios": ratios[2:]}
 
 
 RUNS = {
@@ -114,6 +141,7 @@ def main():
     results["shared/reference"] = attempt(train, aux="inside")
     for name, kwargs in RUNS.items():
         results[f"{name}/without"] = attempt(train, **kwargs)
+    results["two/without"] = attempt(two_engines)
 
     zeroshim = enable_zeroshim()
 
@@ -121,6 +149,7 @@ def main():
     results["plain/with"] = attempt(train)
     for name, kwargs in RUNS.items():
         results[f"{name}/with"] = attempt(train, **kwargs)
+    results["two/with"] = attempt(two_engines)
     results["stats"] = dict(zeroshim.stats("gas_output_scaling"))
     end(out, results)
 

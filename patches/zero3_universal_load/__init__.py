@@ -3,17 +3,19 @@
 
 Symptom
     Nothing fails.  A ZeRO-3 run resumed from a universal checkpoint (``ds_to_universal.py``, then
-    ``"checkpoint": {"load_universal": true}``: the elastic resume to another world size) with a torch optimizer
-    and more than one parameter group trains otherwise than the same run resumed from its ordinary checkpoint:
+    ``"checkpoint": {"load_universal": true}``: the elastic resume to another world size) trains otherwise than the
+    same run resumed from its ordinary checkpoint:
 
-    * every param group gets the settings of the first one -- its ``weight_decay``, and its ``lr`` until a scheduler
-      sets it again, its ``betas``, ``eps`` --: with the HF Trainer's two groups the biases and norms, saved without
-      weight decay, decay from the resume on; per-group learning rates (LoRA+, a vision tower's own rate) are lost
-      where no scheduler restores them;
-    * with an optimizer whose ``step`` is a tensor (``torch.optim.Adam``/``AdamW``, the HF Trainer's default) one
-      ``step`` is shared by every ZeRO-3 sub-group and incremented once per sub-group at each optimizer step: with
-      two groups it goes 2 -> 4 -> 6 where it should go 2 -> 3 -> 4, so Adam's bias correction is that of a later
-      step, and the inflated ``step`` is saved in every later checkpoint.
+    * with more than one param group, every group gets the settings of the first one -- its ``weight_decay``, and
+      its ``lr`` until a scheduler sets it again, its ``betas``, ``eps`` --: with the HF Trainer's two groups the
+      biases and norms, saved without weight decay, decay from the resume on; per-group learning rates (LoRA+, a
+      vision tower's own rate) are lost where no scheduler restores them;
+    * with more than one ZeRO-3 sub-group (each param group is one at least, and one per ``sub_group_size``
+      elements of its partition, 1e9 by default) and an optimizer whose ``step`` is a tensor
+      (``torch.optim.Adam``/``AdamW``, the HF Trainer's default), one ``step`` is shared by every sub-group and
+      incremented once per sub-group at each optimizer step: with two sub-groups it goes 2 -> 4 -> 6 where it should
+      go 2 -> 3 -> 4, so Adam's bias correction is that of a later step, and the inflated ``step`` is saved in every
+      later checkpoint.
 
 Cause
     ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`` reads the optimizer's
@@ -39,8 +41,9 @@ Flag
 Fix
     The loader is wrapped, and ``_load_global_state_stage3``, which it calls with the loaded ``optimizer_state.pt``,
     to see that state.  After the loader returns: where the checkpoint holds as many param groups as the optimizer,
-    each group's settings are those of its own saved group (``params`` left to ZeRO-3), as an ordinary checkpoint
-    load gives them; and every sub-group whose state holds the same ``step`` tensor as an earlier sub-group gets its
+    each group's settings are those of its own saved group (deep copies, all made before any group is changed;
+    ``params`` left to ZeRO-3; a key only the optimizer has is kept), as an ordinary checkpoint load gives them; and
+    every sub-group whose state holds the same ``step`` tensor as an earlier sub-group gets its
     own copy (``clone()``: same value, dtype and device).  A checkpoint with another number of groups keeps
     DeepSpeed's settings and says so at WARNING.  It changes the numbers of the resumed run (they become those of
     the ordinary resume): said once per job at WARNING.  Ranks that disagree stop.
@@ -77,8 +80,17 @@ def _global_state(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _differs(one: dict, other: dict) -> bool:
+    """Whether two saved groups' settings differ (a comparison that raises counts as a difference)."""
+    try:
+        return any(key != "params" and (key not in other or bool(value != other[key])) for key, value in one.items())
+    except Exception:
+        return True
+
+
 def _settings(instance, saved) -> bool:
-    """Each param group's settings from its own saved group; False where the counts differ."""
+    """Each param group's settings from its own saved group (deep copies, made before any group is changed, as
+    torch's ``Optimizer.load_state_dict`` copies them); False where the counts differ or the saved groups agree."""
     groups = instance.optimizer.param_groups
     if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
         stats["mismatched"] += 1
@@ -88,12 +100,12 @@ def _settings(instance, saved) -> bool:
                      len(saved) if isinstance(saved, (list, tuple)) else "no", len(groups),
                      _versions.shown("deepspeed"))
         return False
-    changed = 0
-    for group, own in zip(groups, saved):
-        keys = [key for key, value in own.items() if key != "params" and group.get(key) != value]
-        for key in keys:
-            group[key] = own[key]
-        changed += bool(keys)
+    import copy
+
+    own = [copy.deepcopy({key: value for key, value in group.items() if key != "params"}) for group in saved]
+    for group, settings in zip(groups, own):
+        group.update(settings)
+    changed = sum(_differs(group, saved[0]) for group in saved[1:])
     stats["regrouped"] += changed
     return changed > 0
 
@@ -128,11 +140,14 @@ def _load(wrapped, instance, args, kwargs):
             _loading.pop(instance, None)
     if seen is None:
         return result
+    regrouped = copied = 0
     with guard(NAME):
         saved = seen[-1] if seen else None
         groups = (saved or {}).get("optimizer_state_dict", {}).get("param_groups") if isinstance(saved, dict) else None
         regrouped = _settings(instance, groups)
+    with guard(NAME):
         copied = _own_steps(instance)
+    with guard(NAME):
         if regrouped or copied:
             what = [part for part, done in (("each param group its own saved settings", regrouped),
                                              (f"each of {copied + 1} sub-groups its own optimizer step", copied))

@@ -13,7 +13,9 @@ builds a fresh engine, loads, and trains 3 more steps on the same data:
   ordinary one is unchanged);
 * ``same/...``: two groups with the same settings (only the shared ``step`` is wrong), ordinary and universal,
   without and with;
-* ``single/...``: one parameter group (one sub-group: nothing shared), ordinary and universal, without and with.
+* ``split/...``: one parameter group split into two sub-groups (``sub_group_size`` 100 of this rank's 106
+  elements: the shared ``step`` without more than one group), ordinary and universal, without and with;
+* ``single/...``: one parameter group, one sub-group (nothing shared), ordinary and universal, without and with.
 
 Each run records the losses, the optimizer's ``step`` values after the load and at the end, how many distinct
 ``step`` tensors the state holds after the load, each param group's weight decay after the load, and a digest of
@@ -32,7 +34,7 @@ from common import attempt, begin, ds_config, enable_zeroshim, end, import_deeps
 deepspeed = import_deepspeed()
 
 
-def build(groups: int, universal: bool = False):
+def build(groups, universal: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     if groups in (2, "same"):
@@ -42,7 +44,7 @@ def build(groups: int, universal: bool = False):
     else:
         params = model.parameters()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
-    cfg = ds_config(3, micro_batch=4, bf16=False)
+    cfg = ds_config(3, micro_batch=4, bf16=False, **({"sub_group_size": 100} if groups == "split" else {}))
     cfg["checkpoint"] = {"load_universal": universal}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     return engine
@@ -91,12 +93,12 @@ def resume(work: str, groups: int, universal: bool) -> dict:
             "steps_final": steps_of(engine)[0], **param_digest(engine)}
 
 
-RUNS = ((2, ""), ("same", "same/"), (1, "single/"))
+RUNS = ((2, ""), ("same", "same/"), ("split", "split/"), (1, "single/"))
 
 
 def main():
     out, results = begin()
-    work = {g: os.path.join(out, f"ckpt{g}") for g in (1, 2, "same")}
+    work = {g: os.path.join(out, f"ckpt{g}") for g, _ in RUNS}
     for groups, label in RUNS:
         results[f"{label}saved"] = attempt(save, work[groups], groups)
         results[f"{label}plain/without"] = attempt(resume, work[groups], groups, False)
