@@ -41,7 +41,8 @@ Affected versions
     ``engine.backward``) is divided at each hooked output, so a ``{"loss", "logits"}`` output is divided twice there
     on every release from 0.18.3, 0.19.8 included.  Pipeline engines are left as DeepSpeed has them: their stages
     before the last divided the gradient again on 0.18.3-0.19.2, fixed in 0.19.3 (#8154, which gives
-    ``PipelineEngine`` its own ``_backward_prologue_per_tensor``); not examined further.
+    ``PipelineEngine`` its own ``_backward_prologue_per_tensor``); not examined further.  So are engines that run
+    backward under compiled autograd (``engine.compile(compiled_autograd_enabled=True)``), which traces the hooks.
 
 Flag
     ``ZEROSHIM_GAS_OUTPUT_SCALING=auto|on|off`` (default ``auto``).
@@ -106,8 +107,8 @@ def _task() -> int:
 
 def _plan(engine, args, kwargs):
     """(loss, divide) where this backward is to be scaled once at the loss; else None."""
-    if not is_active(NAME) or _own_scaling(engine):
-        return None
+    if not is_active(NAME) or _own_scaling(engine) or getattr(engine, "_is_compiled_autograd_enabled", False):
+        return None  # compiled autograd traces the hooks: left to DeepSpeed
     import torch
 
     loss = args[0] if args else kwargs.get("loss")
