@@ -5,6 +5,7 @@ against the same run whose forward returns the whole loss alone."""
 import pytest
 
 from harness import ds_before, load_proof, torchrun
+from zeroshim._prove import equal
 
 pytestmark = pytest.mark.deepspeed
 # written here from the tagged sources (0.18.3 moves the division into the output hooks, 0.19.6 divides the loss
@@ -12,6 +13,8 @@ pytestmark = pytest.mark.deepspeed
 AFFECTED = not ds_before("0.18.3") and ds_before("0.19.6")
 HOOKS = not ds_before("0.18.3")  # the output hooks, and so a direct backward() divided at each output
 IGNORES_FLAG = HOOKS and ds_before("0.18.4")  # 0.18.3's hooks divide whatever scale_wrt_gas says
+
+PROOF = load_proof("gas_output_scaling")
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +28,13 @@ def ranks(launched):
 
 
 def _same(a, b):
-    return (a["losses"], a["grad_norms"], a["param_sha256"]) == (b["losses"], b["grad_norms"], b["param_sha256"])
+    """Both runs trained, and to the same numbers by the judge's keys."""
+    assert a["ok"] and b["ok"], (a.get("error"), b.get("error"))
+    return equal(a, b, PROOF.KEYS)
 
 
 def test_proof(ranks):
-    without, with_, proven = load_proof("gas_output_scaling").judge(ranks)
+    without, with_, proven = PROOF.judge(ranks)
     if not AFFECTED:
         assert not proven, (without, with_)
         pytest.skip(f"this DeepSpeed divides the loss once: {without}")
