@@ -74,8 +74,9 @@ MATRIX = {
     "tf5.0.0": ["deepspeed==0.19.8", "transformers==5.0.0", "accelerate==1.15.0"],
     # light: DeepSpeed 0.18.3-0.18.x averages bf16 ZeRO-1's fp32-accumulated gradients without the boundary
     # micro-batch (bf16_zero1_last_microbatch); 0.18.3-0.18.5 divide bf16 gradients without ZeRO by a loss scale the
-    # loss never got (bf16_zero0_grads)
-    "ds0.18.5": ["deepspeed==0.18.5", "transformers==4.57.*", "accelerate==1.15.0"],
+    # loss never got (bf16_zero0_grads); accelerate < 1.8 leaves DeepSpeed to count the accumulation steps
+    # (accelerate_accumulation_boundary: a stack LLaMA-Factory allows, DeepSpeed <= 0.18.4 with accelerate >= 1.3)
+    "ds0.18.5": ["deepspeed==0.18.5", "transformers==4.57.*", "accelerate==1.7.0"],
     # light: DeepSpeed 0.17.6-0.18.2's Muon optimizer drops the config's muon_lr and adam_lr (muon_group_lr)
     "ds0.18.2": ["deepspeed==0.18.2", "transformers==4.57.*", "accelerate==1.15.0"],
     # light: HF Trainer up to transformers 4.45 refuses "auto" bucket sizes for a model whose hidden size is only in

@@ -163,6 +163,7 @@ REQUIREMENTS = {
     ],
     "zero_auto_hidden_size": [],
     "trainer_auto_hidden_size": [],  # transformers' HfTrainerDeepSpeedConfig: no DeepSpeed target
+    "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",
          ("param_list", "async_op", "hierarchy")),

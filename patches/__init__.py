@@ -62,4 +62,5 @@ PATCH_MODULES = (
     "zero2_accumulation_overwrite",
     "gas_output_scaling",
     "zero3_universal_load",
+    "accelerate_accumulation_boundary",
 )

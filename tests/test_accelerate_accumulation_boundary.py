@@ -1,0 +1,86 @@
+"""Patch accelerate_accumulation_boundary against real accelerate, transformers and DeepSpeed
+(patches/accelerate_accumulation_boundary/scenario.py), 2 ranks: accumulation through the HF Trainer (ZeRO-2) and
+``accelerator.accumulate`` (ZeRO-1) with a window cut short at each epoch's end; whole windows; even_batches=False."""
+
+import pytest
+
+import zeroshim
+from harness import before, ds_before, load_proof, matches, torchrun
+
+pytestmark = pytest.mark.deepspeed
+PATCH = zeroshim.get_patch("accelerate_accumulation_boundary")
+PROOF = load_proof("accelerate_accumulation_boundary")
+# written here from the released wheels (DeepSpeedEngineWrapper.backward steps the engine after every backward in
+# 0.26.0-1.7.0; 1.8.0 sets the boundary to sync_gradients and steps only there), not read from the patch's gate:
+# tests/test_inert_gates.py compares the two
+AFFECTED = before("accelerate", "1.8.0")
+# DeepSpeed 0.16.0 gave the engine no_sync(), which accelerate's accumulate enters; its step() asserts inside
+NO_SYNC = AFFECTED and not ds_before("0.16.0")
+PATHS = ("trainer", "accumulate")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return torchrun("accelerate_accumulation_boundary", 2, tmp_path_factory.mktemp("accboundary"))["ranks"]
+
+
+def test_status_follows_the_range(ranks):
+    assert ranks[0]["status"]["state"] == ("applied" if AFFECTED else "skipped"), ranks[0]["status"]
+
+
+def test_proof(ranks):
+    without, with_, proven = PROOF.judge(ranks)
+    if not AFFECTED:
+        assert not proven, (without, with_)
+        pytest.skip(f"this accelerate sets DeepSpeed's boundary itself: {without}")
+    assert proven, (without, with_)
+
+
+def test_the_reference_steps_where_accelerate_counts(ranks):
+    for rank in ranks:
+        for path in (*PATHS, "whole"):
+            run = rank[f"{path}/reference"]
+            assert run["ok"], run.get("error")
+            assert run["counted"] == run["stepped"], (path, run["counted"], run["stepped"])
+        assert rank["trainer/reference"]["counted"] == 6 and rank["whole/reference"]["counted"] == 4
+
+
+def test_without_zeroshim(ranks):
+    for rank in ranks:
+        trainer, loop = rank["trainer/without"], rank["accumulate/without"]
+        assert trainer["ok"], trainer.get("error")
+        if AFFECTED:  # the tail window of the first epoch is not stepped: 5 steps where the Trainer counts 6
+            assert (trainer["counted"], trainer["stepped"]) == (6, 5)
+            assert not PROOF.equal(trainer, rank["trainer/reference"], PROOF.KEYS)
+            if NO_SYNC:
+                assert not loop["ok"] and matches(PATCH.signatures[0], loop["error"]), loop.get("error")
+            else:
+                assert loop["ok"] and loop["counted"] != loop["stepped"], loop
+        else:
+            for path in PATHS:
+                assert PROOF.equal(rank[f"{path}/without"], rank[f"{path}/reference"], PROOF.KEYS), path
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_with_zeroshim_deepspeed_steps_where_counted_bit_for_bit(ranks, path):
+    for rank in ranks:
+        with_, reference = rank[f"{path}/with"], rank[f"{path}/reference"]
+        assert with_["ok"], with_.get("error")
+        assert with_["counted"] == with_["stepped"]
+        assert PROOF.equal(with_, reference, PROOF.KEYS), (with_["losses"], reference["losses"])
+    assert (ranks[0]["stats"]["cut"] > 0) == AFFECTED
+
+
+def test_whole_windows_are_unchanged(ranks):
+    for rank in ranks:
+        assert rank["whole/with"]["ok"] and rank["whole/without"]["ok"]
+        assert PROOF.equal(rank["whole/with"], rank["whole/without"], PROOF.KEYS)
+        assert rank["whole_cut"] == 0
+
+
+def test_even_batches_false_is_left_to_deepspeed(ranks):
+    for rank in ranks:
+        uneven = rank["uneven/with"]
+        assert uneven["ok"], uneven.get("error")
+        assert PROOF.equal(uneven, rank["trainer/without"], PROOF.KEYS)
+    assert (ranks[0]["uneven_left"] > 0) == AFFECTED
