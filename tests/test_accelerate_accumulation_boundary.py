@@ -36,13 +36,15 @@ def test_proof(ranks):
     assert proven, (without, with_)
 
 
-def test_the_reference_steps_where_accelerate_counts(ranks):
+def test_the_references_step_where_accelerate_counts(ranks):
     for rank in ranks:
-        for path in (*PATHS, "whole"):
-            run = rank[f"{path}/reference"]
+        for key in ("trainer/reference", "accumulate/reference", "whole/off"):
+            run = rank[key]
             assert run["ok"], run.get("error")
-            assert run["counted"] == run["stepped"], (path, run["counted"], run["stepped"])
-        assert rank["trainer/reference"]["counted"] == 6 and rank["whole/reference"]["counted"] == 4
+            assert run["counted"] == run["stepped"], (key, run["counted"], run["stepped"])
+        assert rank["trainer/reference"]["counted"] == 6 and rank["whole/off"]["counted"] == 4
+        if not AFFECTED:  # the remedy is the installed accelerate's own backward
+            assert PROOF.equal(rank["trainer/off"], rank["trainer/reference"], PROOF.KEYS)
 
 
 def test_without_zeroshim(ranks):
@@ -51,14 +53,19 @@ def test_without_zeroshim(ranks):
         assert trainer["ok"], trainer.get("error")
         if AFFECTED:  # the tail window of the first epoch is not stepped: 5 steps where the Trainer counts 6
             assert (trainer["counted"], trainer["stepped"]) == (6, 5)
-            assert not PROOF.equal(trainer, rank["trainer/reference"], PROOF.KEYS)
             if NO_SYNC:
                 assert not loop["ok"] and matches(PATCH.signatures[0], loop["error"]), loop.get("error")
             else:
                 assert loop["ok"] and loop["counted"] != loop["stepped"], loop
         else:
-            for path in PATHS:
-                assert PROOF.equal(rank[f"{path}/without"], rank[f"{path}/reference"], PROOF.KEYS), path
+            assert trainer["counted"] == trainer["stepped"] and loop["ok"] and loop["counted"] == loop["stepped"]
+
+
+def test_with_zeroshim_less_this_patch_the_trainer_still_drifts(ranks):
+    for rank in ranks:
+        off = rank["trainer/off"]
+        assert off["ok"], off.get("error")
+        assert (off["counted"] != off["stepped"]) == AFFECTED, (off["counted"], off["stepped"])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -73,8 +80,7 @@ def test_with_zeroshim_deepspeed_steps_where_counted_bit_for_bit(ranks, path):
 
 def test_whole_windows_are_unchanged(ranks):
     for rank in ranks:
-        assert rank["whole/with"]["ok"] and rank["whole/without"]["ok"]
-        assert PROOF.equal(rank["whole/with"], rank["whole/without"], PROOF.KEYS)
+        assert PROOF.equal(rank["whole/with"], rank["whole/off"], PROOF.KEYS)
         assert rank["whole_cut"] == 0
 
 
@@ -82,5 +88,5 @@ def test_even_batches_false_is_left_to_deepspeed(ranks):
     for rank in ranks:
         uneven = rank["uneven/with"]
         assert uneven["ok"], uneven.get("error")
-        assert PROOF.equal(uneven, rank["trainer/without"], PROOF.KEYS)
+        assert PROOF.equal(uneven, rank["trainer/off"], PROOF.KEYS)
     assert (ranks[0]["uneven_left"] > 0) == AFFECTED

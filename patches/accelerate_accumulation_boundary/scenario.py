@@ -11,11 +11,14 @@ Runs (``{path}/{tag}``):
 * ``whole/*``: the Trainer with 4 micro-batches per rank and epoch: every window whole, nothing may change;
 * ``uneven/with``: the ``trainer`` run with ``even_batches=False``, which the patch leaves to DeepSpeed.
 
-Tags: ``reference`` is the by-hand remedy, accelerate 1.8.0's ``DeepSpeedEngineWrapper.backward`` written out here
-(the boundary set to accelerate's ``sync_gradients``, ``engine.step()`` only there), put in place only where the
-installed accelerate's backward does not take ``sync_gradients``; ``without`` runs without zeroshim, ``with`` with
-it.  Each run records the optimizer steps the Trainer or accelerate counted and the ones DeepSpeed took
-(``engine.global_steps``), its losses and a digest of the parameters, or its error.
+Tags: ``without`` runs without zeroshim.  The rest run with zeroshim: ``reference`` and ``off`` with this patch
+undone (``zeroshim.unpatch``), so that other patches acting on the same release (``zero2_accumulation_overwrite`` on
+DeepSpeed 0.17.6 - 0.18.2) act in them too, ``with`` with it.  ``reference`` is the by-hand remedy, accelerate
+1.8.0's ``DeepSpeedEngineWrapper.backward`` written out here (the boundary set to accelerate's ``sync_gradients``,
+``engine.step()`` only there), put in place only where the installed accelerate's backward does not take
+``sync_gradients``; ``off`` is the run as it is.  Each run records the optimizer steps the Trainer or accelerate
+counted and the ones DeepSpeed took (``engine.global_steps``), its losses and a digest of the parameters, or its
+error.
 """
 
 import contextlib
@@ -28,6 +31,7 @@ from common import attempt, begin, enable_zeroshim, end, import_deepspeed, param
 from tiny_mlp import Net, Rows
 
 deepspeed = import_deepspeed()
+NAME = "accelerate_accumulation_boundary"
 MICRO, GA, EPOCHS, LR = 2, 2, 2, 1e-2
 
 
@@ -115,22 +119,24 @@ def accumulate(fix: bool) -> dict:
     return {"counted": counted, "stepped": engine.global_steps, "losses": losses, **param_digest(engine)}
 
 
-def runs(tag: str, fix: bool) -> dict:
-    return {f"trainer/{tag}": attempt(trainer, 5 * MICRO, fix), f"accumulate/{tag}": attempt(accumulate, fix),
-            f"whole/{tag}": attempt(trainer, 4 * MICRO, fix)}
-
-
 def main():
     out, results = begin()
-    results.update(runs("reference", True))
-    results.update(runs("without", False))
+    results["trainer/without"] = attempt(trainer, 5 * MICRO, False)
+    results["accumulate/without"] = attempt(accumulate, False)
 
     zeroshim = enable_zeroshim()
 
-    results["status"] = zeroshim.status()["accelerate_accumulation_boundary"].as_dict()
-    def stats():
-        return dict(zeroshim.stats("accelerate_accumulation_boundary"))
+    results["status"] = zeroshim.status()[NAME].as_dict()
 
+    def stats():
+        return dict(zeroshim.stats(NAME))
+
+    zeroshim.unpatch(NAME)  # the references: zeroshim without this patch
+    results["trainer/reference"] = attempt(trainer, 5 * MICRO, True)
+    results["accumulate/reference"] = attempt(accumulate, True)
+    results["trainer/off"] = attempt(trainer, 5 * MICRO, False)
+    results["whole/off"] = attempt(trainer, 4 * MICRO, False)
+    zeroshim.apply(NAME)
     results["trainer/with"] = attempt(trainer, 5 * MICRO, False)
     results["accumulate/with"] = attempt(accumulate, False)
     before = stats()
