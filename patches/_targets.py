@@ -52,7 +52,7 @@ TARGETS = {
     'zero2_accumulation_overwrite': ('deepspeed.runtime.zero.stage_1_and_2',),
     'gas_output_scaling': ('deepspeed.runtime.engine',),
     'zero3_universal_load': ('deepspeed.runtime.zero.stage3',),
-    'accelerate_accumulation_boundary': ('accelerate.accelerator', 'accelerate.utils.deepspeed'),
+    'accelerate_accumulation_boundary': ('accelerate.state', 'accelerate.accelerator', 'accelerate.utils.deepspeed'),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),

@@ -75,13 +75,13 @@ def test_with_zeroshim_deepspeed_steps_where_counted_bit_for_bit(ranks, path):
         assert with_["ok"], with_.get("error")
         assert with_["counted"] == with_["stepped"]
         assert PROOF.equal(with_, reference, PROOF.KEYS), (with_["losses"], reference["losses"])
-    assert (ranks[0]["stats"]["cut"] > 0) == AFFECTED
+    assert (ranks[0]["stats"]["differed"] > 0) == AFFECTED
 
 
 def test_whole_windows_are_unchanged(ranks):
     for rank in ranks:
         assert PROOF.equal(rank["whole/with"], rank["whole/off"], PROOF.KEYS)
-        assert rank["whole_cut"] == 0
+        assert rank["whole_differed"] == 0
 
 
 def test_even_batches_false_is_left_to_deepspeed(ranks):
@@ -90,3 +90,27 @@ def test_even_batches_false_is_left_to_deepspeed(ranks):
         assert uneven["ok"], uneven.get("error")
         assert PROOF.equal(uneven, rank["trainer/off"], PROOF.KEYS)
     assert (ranks[0]["uneven_left"] > 0) == AFFECTED
+
+
+@pytest.mark.parametrize("case", ["dsga", "noacc"])
+def test_runs_accelerate_does_not_decide_are_left_to_deepspeed(ranks, case):
+    """accelerate's accumulation left at 1 under DeepSpeed's 2 (dsga), and a loop without accumulate (noacc): the
+    patch would make DeepSpeed step on every micro-batch there; it leaves them to DeepSpeed's own count."""
+    for rank in ranks:
+        with_, off = rank[f"{case}/with"], rank[f"{case}/off"]
+        assert with_["ok"] and off["ok"], (with_.get("error"), off.get("error"))
+        assert PROOF.equal(with_, off, PROOF.KEYS)
+        if AFFECTED:  # DeepSpeed's count: 10 micro-batches at accumulation 2
+            assert with_["stepped"] == 5, with_["stepped"]
+    assert (ranks[0]["left"] > 0) == AFFECTED
+
+
+def test_undo_gives_deepspeed_its_own_count_back(ranks):
+    """Undone after a decision of false: the engine's override is put back, and DeepSpeed steps again."""
+    for rank in ranks:
+        run = rank["undo/with"]
+        assert run["ok"], run.get("error")
+        if not AFFECTED:
+            pytest.skip("the patch never acts here: this accelerate sets DeepSpeed's boundary itself")
+        assert run["boundary_after_undo"] is None
+        assert run["stepped"] >= run["stepped_at_undo"] + 3, (run["stepped_at_undo"], run["stepped"])

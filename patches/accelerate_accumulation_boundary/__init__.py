@@ -7,7 +7,8 @@ Symptom
     short: the last micro-batches of an epoch when the batches per epoch are not a multiple of
     ``gradient_accumulation_steps`` (accelerate ends the window at the end of the loader, the Trainer at the end of
     the epoch).  accelerate (and the Trainer) count an optimizer step there; DeepSpeed does not take it.  Its
-    windows then straddle the epochs for the rest of the run, and the last epoch's tail is never applied.  Nothing
+    windows then straddle the epochs for the rest of the run, and where the run's micro-batches are not a multiple
+    of the accumulation its last ones are never applied.  Nothing
     fails: the HF Trainer reports 6 optimizer steps where DeepSpeed took 5 (2 epochs of 5 micro-batches per rank,
     accumulation 2), and the losses differ from the step after the first epoch on (accelerate 1.7.0 against 1.8.0,
     DeepSpeed 0.18.5).  Reported as huggingface/accelerate#3552 ("the accumulation boundaries of accelerator and
@@ -35,21 +36,38 @@ Flag
     ``ZEROSHIM_ACCELERATE_ACCUMULATION_BOUNDARY=auto|on|off`` (default ``auto``).
 
 Fix
-    What accelerate 1.8.0 does, for calls through ``Accelerator.backward`` on a DeepSpeed engine: before the
-    backward, DeepSpeed's boundary is set to accelerate's ``sync_gradients``
+    What accelerate 1.8.0 does, for calls through ``Accelerator.backward`` on a DeepSpeed engine where accelerate
+    decides the accumulation: before the backward, DeepSpeed's boundary is set to accelerate's ``sync_gradients``
     (``engine.set_gradient_accumulation_boundary``, DeepSpeed's API for this since 0.5.8, #1588), and
-    ``engine.step()`` runs only where it is true.  On an accelerator whose ``even_batches`` is false the ranks'
-    loaders may differ in length, so accelerate's end-of-loader decision may differ between ranks, and with it the
-    collectives DeepSpeed runs at a boundary: there the patch leaves the boundary to DeepSpeed's counter (as
-    without zeroshim) and says so once at WARNING.  Everywhere else the decision is the same on every rank: it
-    follows the micro-batch count, which accelerate makes equal.  Where a window is cut short the run's numbers
-    change (DeepSpeed now steps where accelerate does), said once at WARNING by the rank that acts first; where
-    every window is whole, the run is the same bit for bit.  The boundary stays set after the call, as with
-    accelerate 1.8.0: an ``engine.backward`` called outside accelerate afterwards sees the last decision.
+    ``engine.step()`` runs only where it is true (the non-boundary call runs ``engine.backward`` itself, so another
+    wrapper of ``DeepSpeedEngineWrapper.backward`` is not reached there).  Left to DeepSpeed's own count, as
+    without zeroshim, where accelerate does not decide:
+
+    * nothing in the run set accelerate's sync state (``GradientState._set_sync_gradients``, which
+      ``accelerator.accumulate`` and the HF Trainer call, and ``Accelerator._do_sync``, are wrapped to note who
+      did): a loop that calls ``accelerator.backward`` without ``accumulate`` keeps ``sync_gradients`` at its
+      default, true, and relies on DeepSpeed's ``gradient_accumulation_steps`` (1.8.0 steps it on every
+      micro-batch instead: not copied);
+    * ``accumulate`` decided it from another number of accumulation steps than DeepSpeed's config (``accelerate
+      launch`` with a DeepSpeed config file and ``Accelerator()`` left at 1: 1.8.0 takes DeepSpeed's number,
+      #3632; before it, ``sync_gradients`` is true on every micro-batch).  The HF Trainer sets the sync state from
+      its own count, which it also writes into DeepSpeed's config, and is followed;
+    * DeepSpeed's ``"managed_gradient_accumulation": false`` (0.19.4 on), where the caller owns the boundary;
+    * an accelerator whose ``even_batches`` is false: the ranks' loaders may differ in length, so accelerate's
+      end-of-loader decision may differ between ranks, and with it the collectives DeepSpeed runs at a boundary
+      (said once at WARNING: the cut window stays unstepped there).
+
+    Everywhere else the decision is the same on every rank: it follows the micro-batch count, which accelerate
+    makes equal.  Where a window is cut short the run's numbers change (DeepSpeed now steps where accelerate does),
+    said once at WARNING by the rank that acts first; where every window is whole, the run is the same bit for bit.
+    The boundary stays set after the call, as with accelerate 1.8.0: an ``engine.backward`` called outside
+    accelerate afterwards sees the last decision.
 
 Undo
-    ``zeroshim.unpatch("accelerate_accumulation_boundary")`` restores ``Accelerator.backward`` and
-    ``DeepSpeedEngineWrapper.backward``.
+    ``zeroshim.unpatch("accelerate_accumulation_boundary")`` restores ``Accelerator.backward``,
+    ``Accelerator._do_sync``, ``DeepSpeedEngineWrapper.backward`` and ``GradientState._set_sync_gradients``, and puts each engine's boundary
+    override back as it was before the patch first set it (else a last decision of false would keep DeepSpeed
+    from stepping again).
 
 Evidence
     benchmarks/RESULTS.md, "accelerate_accumulation_boundary".
@@ -66,30 +84,78 @@ from zeroshim._patcher import Patcher, guard, require_attr, require_params
 from zeroshim._source import Fingerprint
 
 NAME = "accelerate_accumulation_boundary"
-#: boundaries: backward calls whose DeepSpeed boundary accelerate decided; cut: those where DeepSpeed's own counter
-#: would have decided otherwise (a window cut short); uneven: calls left to DeepSpeed (even_batches false)
-stats = {"boundaries": 0, "cut": 0, "uneven": 0}
+#: decided: backward calls whose DeepSpeed boundary accelerate decided; differed: those where DeepSpeed's own count
+#: would have decided otherwise (the windows cut short, and the calls after them in the same run); left: calls left
+#: to DeepSpeed's count because accelerate never decided the sync (no accumulate(), no Trainer) or counts another
+#: number of accumulation steps; uneven: calls left to it because of even_batches=False
+stats = {"decided": 0, "differed": 0, "left": 0, "uneven": 0}
 #: the decision of the Accelerator.backward call running (sync_gradients), for the engine wrapper's backward
 _decision: "contextvars.ContextVar" = contextvars.ContextVar("zeroshim_accelerate_boundary", default=None)
-#: engine -> backward calls through accelerate: DeepSpeed's own count (it counts its step() calls, one per backward
-#: under accelerate < 1.8; the patch skips some)
+#: engine -> backward calls decided: DeepSpeed's own count (one step() per backward under accelerate < 1.8)
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: engine -> its boundary override before the patch first set it (restored on undo)
+_saved: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: the key, in accelerate's shared GradientState, that says who last set the sync state since that state was
+#: created: "accumulate" (``Accelerator.accumulate``'s ``_do_sync``, from accelerate's own accumulation steps) or
+#: "caller" (``GradientState._set_sync_gradients`` called by others: the HF Trainer, from its own count)
+_SET = "_zeroshim_sync_set_by"
+
+
+def _set_sync(wrapped, instance, args, kwargs):
+    """Wraps ``GradientState._set_sync_gradients``: notes that the sync state is decided (by a caller)."""
+    result = wrapped(*args, **kwargs)
+    with guard(NAME):
+        if instance is not None:
+            setattr(instance, _SET, "caller")  # the Borg's shared dict: cleared with it (GradientState._reset_state)
+    return result
+
+
+def _do_sync(wrapped, instance, args, kwargs):
+    """Wraps ``Accelerator._do_sync`` (what ``accumulate`` runs first): the decision is accelerate's own count."""
+    result = wrapped(*args, **kwargs)
+    with guard(NAME):
+        state = getattr(instance, "gradient_state", None)
+        if state is not None:
+            setattr(state, _SET, "accumulate")
+    return result
+
+
+def _leave(key: str, warn: bool, msg: str, *args) -> None:
+    """Counts a call left to DeepSpeed's count; says why once per process (WARNING where the bug stays)."""
+    stats[key] += 1
+    (_log.warning if warn else _log.info)("zeroshim[%s]: " + msg, NAME, *args, once=(NAME, key, msg[:40]))
 
 
 def _plan(accelerator) -> "bool | None":
     """accelerate's sync decision for this backward, where the patch is to pass it on to DeepSpeed; else None."""
     if not is_active(NAME):
         return None
-    wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    if wrapper is None or getattr(wrapper, "engine", None) is None:
+    engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    if engine is None or not hasattr(engine, "set_gradient_accumulation_boundary"):
         return None  # not a DeepSpeed run (the engine wrapper exists only under DeepSpeed)
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if callable(managed) and not managed():
+        return None  # DeepSpeed >= 0.19.4 "managed_gradient_accumulation": false: the caller owns the boundary
+    by = getattr(getattr(accelerator, "gradient_state", None), _SET, None)
+    if by is None:
+        _leave("left", False, "left DeepSpeed to count the accumulation steps: nothing in this run set accelerate's "
+                              "sync state (no accelerator.accumulate, no HF Trainer), so DeepSpeed's own "
+                              "gradient_accumulation_steps decides, as accelerate %s lets it",
+               _versions.shown("accelerate"))
+        return None
+    ours, theirs = accelerator.gradient_accumulation_steps, engine.gradient_accumulation_steps()
+    if by == "accumulate" and ours != theirs:
+        _leave("left", False, "left DeepSpeed to count the accumulation steps: accelerate counts %s and DeepSpeed's "
+                              "config %s (accelerate 1.8.0 takes DeepSpeed's number; %s keeps its own), so "
+                              "DeepSpeed's count decides, as without zeroshim", ours, theirs,
+               _versions.shown("accelerate"))
+        return None
     if getattr(accelerator, "even_batches", True) is False:
-        stats["uneven"] += 1
-        _log.warning("zeroshim[%s]: left DeepSpeed to count the accumulation steps itself (as accelerate %s does): "
-                     "with even_batches=False the ranks' loaders may differ in length, so accelerate's end-of-loader "
-                     "decision could differ between ranks and with it DeepSpeed's collectives. A window cut short at "
-                     "the end of an epoch is then not stepped where accelerate counts a step; accelerate >= 1.8.0 "
-                     "steps there.", NAME, _versions.shown("accelerate"), once=(NAME, "uneven"))
+        _leave("uneven", True, "left DeepSpeed to count the accumulation steps itself (as accelerate %s does): with "
+                               "even_batches=False the ranks' loaders may differ in length, so accelerate's "
+                               "end-of-loader decision could differ between ranks and with it DeepSpeed's collectives. "
+                               "A window cut short at the end of an epoch is then not stepped where accelerate counts "
+                               "a step; accelerate >= 1.8.0 steps there.", _versions.shown("accelerate"))
         return None
     return bool(accelerator.sync_gradients)
 
@@ -109,27 +175,30 @@ def _accelerator_backward(wrapped, instance, args, kwargs):
 
 
 def _note(engine, sync: bool) -> None:
-    """Counts the call; says so once where DeepSpeed's own count would have decided otherwise."""
+    """Counts the call and keeps the engine's override for undo; says so once where DeepSpeed's own count would have
+    decided otherwise."""
     with guard(NAME):
-        stats["boundaries"] += 1
+        stats["decided"] += 1
+        if engine not in _saved:
+            _saved[engine] = vars(engine).get("_is_gradient_accumulation_boundary")
         calls = _calls.get(engine, 0)
         _calls[engine] = calls + 1
-        counted = (calls + 1) % engine.gradient_accumulation_steps() == 0
-        if counted != sync:
-            stats["cut"] += 1
+        if ((calls + 1) % engine.gradient_accumulation_steps() == 0) != sync:
+            stats["differed"] += 1
             _log.acted(NAME, "set DeepSpeed's accumulation boundary to accelerate's sync_gradients (%s at micro-step "
                              "%d) and stepped the engine only there, as accelerate 1.8.0 does",
-                       "accelerate %s leaves the boundary to DeepSpeed's own count, which knows no epochs: a window "
-                       "cut short (the end of an epoch) is stepped where accelerate counts no step, or not where it "
-                       "counts one", sync, calls + 1, _versions.shown("accelerate"))
+                       "accelerate %s leaves the boundary to DeepSpeed's own count, which knows no epochs: an "
+                       "accumulation window cut short (the end of an epoch or of the loader) is not stepped where "
+                       "accelerate counts a step, and DeepSpeed's windows straddle the epochs from then on", sync,
+                       calls + 1, _versions.shown("accelerate"))
 
 
 def _engine_backward(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngineWrapper.backward(loss, **kwargs)`` (``engine.backward`` then ``engine.step``)."""
     sync = _decision.get()
     engine = getattr(instance, "engine", None)
-    if sync is None or not hasattr(engine, "set_gradient_accumulation_boundary"):
-        return wrapped(*args, **kwargs)
+    if sync is None or engine is None or "sync_gradients" in kwargs:
+        return wrapped(*args, **kwargs)  # not decided here, or an accelerate that passes the decision itself (1.8+)
     _note(engine, sync)
     engine.set_gradient_accumulation_boundary(sync)
     if sync:
@@ -143,7 +212,10 @@ def patch_accelerator(module, patcher: Patcher) -> None:
     cls = require_attr(module, "Accelerator")
     require_params(require_attr(cls, "backward"), "loss")
     require_attr(cls, "sync_gradients")
+    require_attr(cls, "gradient_accumulation_steps")
+    require_attr(cls, "_do_sync")
     patcher.wrap(cls, "backward", _accelerator_backward)
+    patcher.wrap(cls, "_do_sync", _do_sync)
 
 
 def patch_engine_wrapper(module, patcher: Patcher) -> None:
@@ -152,8 +224,26 @@ def patch_engine_wrapper(module, patcher: Patcher) -> None:
     patcher.wrap(cls, "backward", _engine_backward)
 
 
+def patch_gradient_state(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "GradientState")
+    require_params(require_attr(cls, "_set_sync_gradients"), "sync_gradients")
+    patcher.wrap(cls, "_set_sync_gradients", _set_sync)
+
+
 def _reset() -> None:
+    """After the wrappers are gone: each engine's boundary override as it was before the patch first set it (else
+    a last decision of False would keep DeepSpeed from ever stepping again), and the patch's own state."""
+    import sys
+
+    for engine, before in list(_saved.items()):
+        with guard(NAME):
+            engine._is_gradient_accumulation_boundary = before  # the engine copies it to its optimizer in backward
+    _saved.clear()
     _calls.clear()
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    if isinstance(shared, dict):
+        shared.pop(_SET, None)
     for key in stats:
         stats[key] = 0
 
@@ -172,6 +262,7 @@ PATCH = Patch(
                             r"def backward\(self, loss, \*\*kwargs\):\s+(#[^\n]*\n\s+)*self\.engine\.backward\(loss, "
                             r"\*\*kwargs\)\s+(#[^\n]*\n\s+)*self\.engine\.step\(\)",
                             "DeepSpeedEngineWrapper.backward stepping the engine after every backward"),
-    targets={"accelerate.accelerator": patch_accelerator, "accelerate.utils.deepspeed": patch_engine_wrapper},
+    targets={"accelerate.state": patch_gradient_state, "accelerate.accelerator": patch_accelerator,
+             "accelerate.utils.deepspeed": patch_engine_wrapper},
     on_undo=_reset,
 )

@@ -23,8 +23,8 @@ def judge(ranks):
     """Proven: on every rank, without zeroshim the Trainer run drifted (DeepSpeed stepped otherwise than the Trainer
     counted) and the accumulate loop drifted or failed with the no_sync error; with zeroshim both took the steps
     counted, equal bit for bit to the by-hand remedy (accelerate 1.8.0's backward, with zeroshim less this patch);
-    the run whose windows are all whole and the run left to DeepSpeed (even_batches=False) equal zeroshim less this
-    patch bit for bit."""
+    the run whose windows are all whole and the runs left to DeepSpeed (even_batches=False; accelerate's accumulation
+    left at 1 under DeepSpeed's 2; a loop without accumulate) equal zeroshim less this patch bit for bit."""
     if not ranks or not all(r[key].get("ok") for r in ranks
                             for key in ("trainer/reference", "accumulate/reference", "trainer/off", "whole/off")):
         return "a reference run failed", "a reference run failed", False
@@ -37,6 +37,7 @@ def judge(ranks):
     fixed = all(in_step(r[f"{p}/with"]) and equal(r[f"{p}/with"], r[f"{p}/reference"], KEYS)
                 for r in ranks for p in PATHS)
     kept = all(equal(r["whole/with"], r["whole/off"], KEYS) and equal(r["uneven/with"], r["trainer/off"], KEYS)
+               and equal(r["dsga/with"], r["dsga/off"], KEYS) and equal(r["noacc/with"], r["noacc/off"], KEYS)
                for r in ranks)
     t = r0["trainer/without"]
     if bug:
@@ -48,7 +49,7 @@ def judge(ranks):
         without = "the bug did not show (DeepSpeed stepped where accelerate counted)"
     if fixed and kept:
         with_ = (f"DeepSpeed took the {r0['trainer/with']['stepped']} steps the Trainer counted; both paths equal the "
-                 "by-hand remedy bit for bit; whole windows and even_batches=False unchanged")
+                 "by-hand remedy bit for bit; whole windows and the runs left to DeepSpeed unchanged")
     elif fixed:
         with_ = "the cut windows matched, but a run that must not change changed"
     else:

@@ -9,7 +9,12 @@ Runs (``{path}/{tag}``):
 * ``accumulate/*``: a loop under ``accelerator.accumulate``, ZeRO-1, the same data (accelerate counts a step at
   the end of each loader pass);
 * ``whole/*``: the Trainer with 4 micro-batches per rank and epoch: every window whole, nothing may change;
-* ``uneven/with``: the ``trainer`` run with ``even_batches=False``, which the patch leaves to DeepSpeed.
+* ``uneven/with``: the ``trainer`` run with ``even_batches=False``, which the patch leaves to DeepSpeed;
+* ``dsga/*``: the ``accumulate`` loop with ``Accelerator()`` left at its default accumulation (1: on accelerate < 1.8
+  only DeepSpeed's config says 2), and ``noacc/*``: a ZeRO-2 loop that calls ``accelerator.backward`` without
+  ``accumulate``: both left to DeepSpeed's count, unchanged;
+* ``undo/with``: a ZeRO-2 ``accumulate`` loop in which this patch is undone after the third micro-batch (a decision
+  of false): DeepSpeed counts again from there.
 
 Tags: ``without`` runs without zeroshim.  The rest run with zeroshim: ``reference`` and ``off`` with this patch
 undone (``zeroshim.unpatch``), so that other patches acting on the same release (``zero2_accumulation_overwrite`` on
@@ -93,30 +98,41 @@ def trainer(rows: int, fix: bool, even_batches: bool = True) -> dict:
                 "losses": [h["loss"] for h in run.state.log_history if "loss" in h], **param_digest(engine)}
 
 
-def accumulate(fix: bool) -> dict:
+def accumulate(fix: bool, stage: int = 1, ours: "int | None" = GA, use_accumulate: bool = True,
+               undo_at: "int | None" = None) -> dict:
+    """A loop over a prepared loader, 5 micro-batches per rank and pass.  ``ours``: the accumulation steps given to
+    ``Accelerator`` (None: left at its default); ``use_accumulate``: each micro-batch under
+    ``accelerator.accumulate``; ``undo_at``: ``zeroshim.unpatch`` this patch after that many micro-batches."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
     _reset_accelerate()
-    accelerator = Accelerator(gradient_accumulation_steps=GA,
-                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_config(1, False)))
+    extra = {} if ours is None else {"gradient_accumulation_steps": ours}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_config(stage, False)), **extra)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = 5 * MICRO * accelerator.num_processes  # 5 micro-batches per rank and pass (accelerate shards the loader)
     loader = torch.utils.data.DataLoader(Rows(rows), batch_size=MICRO)
+    out = {}
     with remedy(fix):
         engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         counted, losses = 0, []
         for _ in range(EPOCHS):
             for batch in loader:
-                with accelerator.accumulate(engine):
+                with accelerator.accumulate(engine) if use_accumulate else contextlib.nullcontext():
                     loss = engine(batch["x"])["loss"]
                     accelerator.backward(loss)
                     counted += int(accelerator.sync_gradients)
                     optimizer.step()
                     optimizer.zero_grad()
                     losses.append(loss.item())
-    return {"counted": counted, "stepped": engine.global_steps, "losses": losses, **param_digest(engine)}
+                if undo_at is not None and len(losses) == undo_at:
+                    import zeroshim
+
+                    out["stepped_at_undo"] = engine.global_steps
+                    zeroshim.unpatch(NAME)
+                    out["boundary_after_undo"] = vars(engine).get("_is_gradient_accumulation_boundary", "missing")
+    return {**out, "counted": counted, "stepped": engine.global_steps, "losses": losses, **param_digest(engine)}
 
 
 def main():
@@ -136,15 +152,23 @@ def main():
     results["accumulate/reference"] = attempt(accumulate, True)
     results["trainer/off"] = attempt(trainer, 5 * MICRO, False)
     results["whole/off"] = attempt(trainer, 4 * MICRO, False)
+    results["dsga/off"] = attempt(accumulate, False, ours=None)
+    results["noacc/off"] = attempt(accumulate, False, stage=2, use_accumulate=False)
     zeroshim.apply(NAME)
     results["trainer/with"] = attempt(trainer, 5 * MICRO, False)
     results["accumulate/with"] = attempt(accumulate, False)
     before = stats()
     results["whole/with"] = attempt(trainer, 4 * MICRO, False)
-    results["whole_cut"] = stats()["cut"] - before["cut"]
+    results["whole_differed"] = stats()["differed"] - before["differed"]
     results["uneven/with"] = attempt(trainer, 5 * MICRO, False, even_batches=False)
     results["uneven_left"] = stats()["uneven"]
-    results["stats"] = stats()
+    before = stats()
+    results["dsga/with"] = attempt(accumulate, False, ours=None)
+    results["noacc/with"] = attempt(accumulate, False, stage=2, use_accumulate=False)
+    results["left"] = stats()["left"] - before["left"]
+    results["stats"] = stats()  # before the undo, which clears them
+    results["undo/with"] = attempt(accumulate, False, stage=2, undo_at=3)
+    zeroshim.apply(NAME)
     end(out, results)
 
 
