@@ -92,10 +92,11 @@ def test_even_batches_false_is_left_to_deepspeed(ranks):
     assert (ranks[0]["uneven_left"] > 0) == AFFECTED
 
 
-@pytest.mark.parametrize("case", ["dsga", "noacc"])
+@pytest.mark.parametrize("case", ["dsga", "noacc", "stale"])
 def test_runs_accelerate_does_not_decide_are_left_to_deepspeed(ranks, case):
-    """accelerate's accumulation left at 1 under DeepSpeed's 2 (dsga), and a loop without accumulate (noacc): the
-    patch would make DeepSpeed step on every micro-batch there; it leaves them to DeepSpeed's own count."""
+    """accelerate's accumulation left at 1 under DeepSpeed's 2 (dsga), and a loop without accumulate (noacc; stale:
+    after an accumulate loop left mid-window in the same process, accelerate's gradient state not reset): the patch
+    would make DeepSpeed step on every micro-batch there, or never; it leaves them to DeepSpeed's own count."""
     for rank in ranks:
         with_, off = rank[f"{case}/with"], rank[f"{case}/off"]
         assert with_["ok"] and off["ok"], (with_.get("error"), off.get("error"))

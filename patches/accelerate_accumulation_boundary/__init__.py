@@ -43,9 +43,10 @@ Fix
     wrapper of ``DeepSpeedEngineWrapper.backward`` is not reached there).  Left to DeepSpeed's own count, as
     without zeroshim, where accelerate does not decide:
 
-    * nothing in the run set accelerate's sync state (``GradientState._set_sync_gradients``, which
-      ``accelerator.accumulate`` and the HF Trainer call, and ``Accelerator._do_sync``, are wrapped to note who
-      did): a loop that calls ``accelerator.backward`` without ``accumulate`` keeps ``sync_gradients`` at its
+    * nothing set accelerate's sync state for this backward (``GradientState._set_sync_gradients``, which
+      ``accelerator.accumulate`` and the HF Trainer call before each micro-batch, and ``Accelerator._do_sync``, are
+      wrapped to note who did; each ``Accelerator.backward`` uses the note up, so nothing of an earlier loop in the
+      process decides a later one): a loop that calls ``accelerator.backward`` without ``accumulate`` keeps ``sync_gradients`` at its
       default, true, and relies on DeepSpeed's ``gradient_accumulation_steps`` (1.8.0 steps it on every
       micro-batch instead: not copied);
     * ``accumulate`` decided it from another number of accumulation steps than DeepSpeed's config (``accelerate
@@ -95,9 +96,10 @@ _decision: "contextvars.ContextVar" = contextvars.ContextVar("zeroshim_accelerat
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: engine -> its boundary override before the patch first set it (restored on undo)
 _saved: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: the key, in accelerate's shared GradientState, that says who last set the sync state since that state was
-#: created: "accumulate" (``Accelerator.accumulate``'s ``_do_sync``, from accelerate's own accumulation steps) or
-#: "caller" (``GradientState._set_sync_gradients`` called by others: the HF Trainer, from its own count)
+#: the key, in accelerate's shared GradientState, that says who set the sync state since the last
+#: ``Accelerator.backward`` (which removes it): "accumulate" (``Accelerator.accumulate``'s ``_do_sync``, from
+#: accelerate's own accumulation steps) or "caller" (``GradientState._set_sync_gradients`` called by others: the HF
+#: Trainer, from its own count).  Used up by each backward, so nothing of one loop decides a later one.
 _SET = "_zeroshim_sync_set_by"
 
 
@@ -127,19 +129,28 @@ def _leave(key: str, warn: bool, msg: str, *args) -> None:
 
 
 def _plan(accelerator) -> "bool | None":
-    """accelerate's sync decision for this backward, where the patch is to pass it on to DeepSpeed; else None."""
+    """accelerate's sync decision for this backward, where the patch is to pass it on to DeepSpeed; else None (then
+    an engine the patch has set is given its own count back)."""
+    state = getattr(accelerator, "gradient_state", None)
+    by = vars(state).pop(_SET, None) if state is not None else None  # this backward's; used up here
     if not is_active(NAME):
         return None
     engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    decision = _decide(accelerator, engine, by)
+    if decision is None and engine is not None and engine in _saved:
+        engine._is_gradient_accumulation_boundary = _saved[engine]  # left to DeepSpeed: its own count again
+    return decision
+
+
+def _decide(accelerator, engine, by) -> "bool | None":
     if engine is None or not hasattr(engine, "set_gradient_accumulation_boundary"):
         return None  # not a DeepSpeed run (the engine wrapper exists only under DeepSpeed)
     managed = getattr(engine, "managed_gradient_accumulation", None)
     if callable(managed) and not managed():
         return None  # DeepSpeed >= 0.19.4 "managed_gradient_accumulation": false: the caller owns the boundary
-    by = getattr(getattr(accelerator, "gradient_state", None), _SET, None)
     if by is None:
-        _leave("left", False, "left DeepSpeed to count the accumulation steps: nothing in this run set accelerate's "
-                              "sync state (no accelerator.accumulate, no HF Trainer), so DeepSpeed's own "
+        _leave("left", False, "left DeepSpeed to count the accumulation steps: nothing set accelerate's sync state "
+                              "for this backward (no accelerator.accumulate, no HF Trainer), so DeepSpeed's own "
                               "gradient_accumulation_steps decides, as accelerate %s lets it",
                _versions.shown("accelerate"))
         return None

@@ -24,7 +24,8 @@ def judge(ranks):
     counted) and the accumulate loop drifted or failed with the no_sync error; with zeroshim both took the steps
     counted, equal bit for bit to the by-hand remedy (accelerate 1.8.0's backward, with zeroshim less this patch);
     the run whose windows are all whole and the runs left to DeepSpeed (even_batches=False; accelerate's accumulation
-    left at 1 under DeepSpeed's 2; a loop without accumulate) equal zeroshim less this patch bit for bit."""
+    left at 1 under DeepSpeed's 2; a loop without accumulate, also after another loop in the
+    same process) equal zeroshim less this patch bit for bit."""
     if not ranks or not all(r[key].get("ok") for r in ranks
                             for key in ("trainer/reference", "accumulate/reference", "trainer/off", "whole/off")):
         return "a reference run failed", "a reference run failed", False
@@ -38,6 +39,7 @@ def judge(ranks):
                 for r in ranks for p in PATHS)
     kept = all(equal(r["whole/with"], r["whole/off"], KEYS) and equal(r["uneven/with"], r["trainer/off"], KEYS)
                and equal(r["dsga/with"], r["dsga/off"], KEYS) and equal(r["noacc/with"], r["noacc/off"], KEYS)
+               and equal(r["stale/with"], r["stale/off"], KEYS)
                for r in ranks)
     t = r0["trainer/without"]
     if bug:

@@ -13,6 +13,8 @@ Runs (``{path}/{tag}``):
 * ``dsga/*``: the ``accumulate`` loop with ``Accelerator()`` left at its default accumulation (1: on accelerate < 1.8
   only DeepSpeed's config says 2), and ``noacc/*``: a ZeRO-2 loop that calls ``accelerator.backward`` without
   ``accumulate``: both left to DeepSpeed's count, unchanged;
+* ``stale/with``: an ``accumulate`` loop left after 3 micro-batches, then the ``noacc`` loop in the same process
+  without resetting accelerate's gradient state (as between two Trainers): left to DeepSpeed;
 * ``undo/with``: a ZeRO-2 ``accumulate`` loop in which this patch is undone after the third micro-batch (a decision
   of false): DeepSpeed counts again from there.
 
@@ -73,11 +75,12 @@ def remedy(on: bool):
         cls.backward = original
 
 
-def _reset_accelerate():
+def _reset_accelerate(gradient_state: bool = True):
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)  # one accelerator per run (accelerate keeps its state in singletons)
-    GradientState._reset_state()
+    if gradient_state:  # what transformers does not reset between two Trainers in one process
+        GradientState._reset_state()
 
 
 def trainer(rows: int, fix: bool, even_batches: bool = True) -> dict:
@@ -99,14 +102,15 @@ def trainer(rows: int, fix: bool, even_batches: bool = True) -> dict:
 
 
 def accumulate(fix: bool, stage: int = 1, ours: "int | None" = GA, use_accumulate: bool = True,
-               undo_at: "int | None" = None) -> dict:
+               undo_at: "int | None" = None, stop_after: "int | None" = None, fresh: bool = True) -> dict:
     """A loop over a prepared loader, 5 micro-batches per rank and pass.  ``ours``: the accumulation steps given to
     ``Accelerator`` (None: left at its default); ``use_accumulate``: each micro-batch under
-    ``accelerator.accumulate``; ``undo_at``: ``zeroshim.unpatch`` this patch after that many micro-batches."""
+    ``accelerator.accumulate``; ``undo_at``: ``zeroshim.unpatch`` this patch after that many micro-batches;
+    ``stop_after``: leave the loop after that many; ``fresh``: reset accelerate's gradient state first."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    _reset_accelerate()
+    _reset_accelerate(gradient_state=fresh)
     extra = {} if ours is None else {"gradient_accumulation_steps": ours}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_config(stage, False)), **extra)
     model = Net()
@@ -118,6 +122,8 @@ def accumulate(fix: bool, stage: int = 1, ours: "int | None" = GA, use_accumulat
         engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         counted, losses = 0, []
         for _ in range(EPOCHS):
+            if stop_after is not None and len(losses) >= stop_after:
+                break
             for batch in loader:
                 with accelerator.accumulate(engine) if use_accumulate else contextlib.nullcontext():
                     loss = engine(batch["x"])["loss"]
@@ -126,6 +132,8 @@ def accumulate(fix: bool, stage: int = 1, ours: "int | None" = GA, use_accumulat
                     optimizer.step()
                     optimizer.zero_grad()
                     losses.append(loss.item())
+                if stop_after is not None and len(losses) == stop_after:
+                    break
                 if undo_at is not None and len(losses) == undo_at:
                     import zeroshim
 
@@ -133,6 +141,15 @@ def accumulate(fix: bool, stage: int = 1, ours: "int | None" = GA, use_accumulat
                     zeroshim.unpatch(NAME)
                     out["boundary_after_undo"] = vars(engine).get("_is_gradient_accumulation_boundary", "missing")
     return {**out, "counted": counted, "stepped": engine.global_steps, "losses": losses, **param_digest(engine)}
+
+
+def stale(fix: bool) -> dict:
+    """A ZeRO-2 ``accumulate`` loop left in the middle of a window (after 3 micro-batches: accelerate's sync state
+    false),
+    then, in the same process and without resetting accelerate's gradient state, the ``noacc`` loop: the second
+    run's result."""
+    accumulate(fix, stage=2, stop_after=3)
+    return accumulate(fix, stage=2, use_accumulate=False, fresh=False)
 
 
 def main():
@@ -154,6 +171,7 @@ def main():
     results["whole/off"] = attempt(trainer, 4 * MICRO, False)
     results["dsga/off"] = attempt(accumulate, False, ours=None)
     results["noacc/off"] = attempt(accumulate, False, stage=2, use_accumulate=False)
+    results["stale/off"] = attempt(stale, False)
     zeroshim.apply(NAME)
     results["trainer/with"] = attempt(trainer, 5 * MICRO, False)
     results["accumulate/with"] = attempt(accumulate, False)
@@ -165,6 +183,7 @@ def main():
     before = stats()
     results["dsga/with"] = attempt(accumulate, False, ours=None)
     results["noacc/with"] = attempt(accumulate, False, stage=2, use_accumulate=False)
+    results["stale/with"] = attempt(stale, False)
     results["left"] = stats()["left"] - before["left"]
     results["stats"] = stats()  # before the undo, which clears them
     results["undo/with"] = attempt(accumulate, False, stage=2, undo_at=3)
