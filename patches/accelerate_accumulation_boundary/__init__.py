@@ -46,9 +46,9 @@ Fix
     * nothing set accelerate's sync state for this backward (``GradientState._set_sync_gradients``, which
       ``accelerator.accumulate`` and the HF Trainer call before each micro-batch, and ``Accelerator._do_sync``, are
       wrapped to note who did; each ``Accelerator.backward`` uses the note up, so nothing of an earlier loop in the
-      process decides a later one): a loop that calls ``accelerator.backward`` without ``accumulate`` keeps ``sync_gradients`` at its
-      default, true, and relies on DeepSpeed's ``gradient_accumulation_steps`` (1.8.0 steps it on every
-      micro-batch instead: not copied);
+      process decides a later one): a loop that calls ``accelerator.backward`` without ``accumulate`` keeps
+      ``sync_gradients`` at its default, true, and relies on DeepSpeed's ``gradient_accumulation_steps`` (1.8.0
+      steps it on every micro-batch instead: not copied);
     * ``accumulate`` decided it from another number of accumulation steps than DeepSpeed's config (``accelerate
       launch`` with a DeepSpeed config file and ``Accelerator()`` left at 1: 1.8.0 takes DeepSpeed's number,
       #3632; before it, ``sync_gradients`` is true on every micro-batch).  The HF Trainer sets the sync state from
@@ -66,9 +66,9 @@ Fix
 
 Undo
     ``zeroshim.unpatch("accelerate_accumulation_boundary")`` restores ``Accelerator.backward``,
-    ``Accelerator._do_sync``, ``DeepSpeedEngineWrapper.backward`` and ``GradientState._set_sync_gradients``, and puts each engine's boundary
-    override back as it was before the patch first set it (else a last decision of false would keep DeepSpeed
-    from stepping again).
+    ``Accelerator._do_sync``, ``DeepSpeedEngineWrapper.backward`` and ``GradientState._set_sync_gradients``, and
+    puts each engine's boundary override back as it was before the patch first set it (else a last decision of
+    false would keep DeepSpeed from stepping again).
 
 Evidence
     benchmarks/RESULTS.md, "accelerate_accumulation_boundary".

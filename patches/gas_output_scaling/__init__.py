@@ -148,6 +148,15 @@ def _loss_hook(steps, seen: list):
     return hook
 
 
+def _release(counts, key) -> None:
+    """One fewer of ``key`` in ``counts`` (``_inside``, ``_tasks``); gone at none."""
+    left = counts.get(key, 1) - 1
+    if left:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 def _backward(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedEngine.backward(loss, retain_graph=False, scale_wrt_gas=True)``."""
     plan, handle, seen = None, None, []
@@ -166,16 +175,8 @@ def _backward(wrapped, instance, args, kwargs):
             if handle is not None:
                 handle.remove()
             for task in seen:
-                left = _tasks.get(task, 1) - 1
-                if left:
-                    _tasks[task] = left
-                else:
-                    _tasks.pop(task, None)
-            depth = _inside.get(instance, 1) - 1
-            if depth:
-                _inside[instance] = depth
-            else:
-                _inside.pop(instance, None)
+                _release(_tasks, task)
+            _release(_inside, instance)
     with guard(NAME):
         stats["scaled" if plan[1] is not None else "unscaled"] += 1
         _say(instance, plan[1] is not None)
