@@ -125,7 +125,7 @@ def _do_sync(wrapped, instance, args, kwargs):
 def _leave(key: str, warn: bool, msg: str, *args) -> None:
     """Counts a call left to DeepSpeed's count; says why once per process (WARNING where the bug stays)."""
     stats[key] += 1
-    (_log.warning if warn else _log.info)("zeroshim[%s]: " + msg, NAME, *args, once=(NAME, key, msg[:40]))
+    (_log.warning if warn else _log.info)("zeroshim[%s]: " + msg, NAME, *args, once=(NAME, key, msg))
 
 
 def _plan(accelerator) -> "bool | None":
