@@ -21,7 +21,7 @@ TARGETS = {
     'epoch_boundary': ('deepspeed.runtime.engine', 'deepspeed.runtime.dataloader', 'transformers.trainer_callback'),
     'zero3_hf_config_weakref': ('transformers.integrations.deepspeed',),
     'scheduler_dropped_groups': ('deepspeed.runtime.engine', 'torch.optim.lr_scheduler'),
-    'zero3_peft_save': ('peft.utils.save_and_load', 'peft.peft_model', 'transformers.trainer'),
+    'zero3_peft_save': ('peft.utils.save_and_load', 'peft.peft_model', 'transformers.trainer', 'torch.distributed.distributed_c10d'),
     'zero_no_sync': ('deepspeed.runtime.engine',),
     'zero_config_float_sizes': ('deepspeed.runtime.config',),
     'zero_manual_accumulation': ('deepspeed.runtime.engine',),
@@ -56,6 +56,6 @@ TARGETS = {
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
-    'zero3_peft_save': ('peft.peft_model', 'transformers.trainer'),
+    'zero3_peft_save': ('peft.peft_model', 'torch.distributed.distributed_c10d', 'transformers.trainer'),
     'trainer_max_grad_norm': ('accelerate.accelerator',),
 }

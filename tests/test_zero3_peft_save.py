@@ -192,6 +192,18 @@ def test_custom_loop_saves(ranks):
         # rank 0's whole file with zeroshim (without it, whichever rank writes last wins)
         assert "error" not in fix["both_main"], fix["both_main"]
         assert fix["both_main"]["sha256"] == fix["every_rank_by_hand"]["sha256"]
+        # a lone save stops waiting as soon as it sees the other rank wait in a barrier: it never waits out the
+        # rendezvous (LONG_WAIT_S, 30 s, in the scenario; 60 s by default: what OpenRLHF's saves paid each)
+        lone = {0: ("rank0_only", "rank0_overwrite"), 1: ("rank1_only", "both_main")}[ranks.index(rank)]
+        for case in lone:
+            assert fix[case]["seconds"] < rank["waits"]["long"] / 3, (case, fix[case]["seconds"])
+        # beside another collective (no barrier) it cannot know, and waits the whole (shortened) time; then
+        # peft's file, as a rank alone writes it, and its check
+        beside = fix["beside_collective"]
+        if rank is ranks[0]:
+            assert beside["seconds"] >= rank["waits"]["short"], beside["seconds"]
+            assert proof.placeholders(beside) and proof.verdicts(beside) == ["placeholders"]
+        assert proof.placeholders(out["beside_collective"])
         # LoRA tensors below stage3_param_persistence_threshold are never partitioned: nothing to do
         assert out["persistent"]["sha256"] == fix["persistent"]["sha256"]
 
@@ -199,7 +211,7 @@ def test_custom_loop_saves(ranks):
 def test_status_and_action(ranks):
     for index, rank in enumerate(ranks):
         assert rank["status"]["state"] == "applied", rank["status"]
-        # two gathered saves on every rank; two lone saves on rank 0 (peft's file) and two on rank 1 (skipped:
+        # two gathered saves on every rank; three lone saves on rank 0 (peft's file) and two on rank 1 (skipped:
         # rank 1 alone, and the all-"main" save); the Trainer saves zeroshim gathered, counted where they are
         # written (rank 0): transformers < 5 without the 16-bit gather ("dropped": plain and resized) and with it
         # ("full": resized, resized with ms-swift's attribute, and plain); transformers >= 5 only the resized ones
@@ -208,7 +220,7 @@ def test_status_and_action(ranks):
         trainer = ({"trainer_dropped": 2, "trainer_full": 3, "trainer_frozen": 0} if TRAINER_AFFECTED
                    else {"trainer_dropped": 0, "trainer_full": 0, "trainer_frozen": 3})
         trainer = {k: v if saving else 0 for k, v in trainer.items()}
-        assert rank["stats"] == {"gathered": 2, "alone": 2, "skipped": 0 if index == 0 else 2,
+        assert rank["stats"] == {"gathered": 2, "alone": 3 if index == 0 else 2, "skipped": 0 if index == 0 else 2,
                                  "trainer_gathered": sum(trainer.values()), **trainer}
         assert "wrapped" in rank["trainer_target"]
 

@@ -104,8 +104,17 @@ Fix
       ``state_dict=`` is never touched; nothing changes where the tensors are
       whole (ZeRO-1/2, persistent parameters, inside the caller's own gather).
     * A rank saving alone (``if rank == 0: model.save_pretrained(...)``): a
-      gather on one rank would hang, so after the wait peft's own result is
-      returned and written (the placeholders, as without zeroshim), with a
+      gather on one rank would hang, so peft's own result is returned and
+      written (the placeholders, as without zeroshim) once the rank stops
+      waiting: at once where it sees another rank wait in a
+      ``torch.distributed.barrier()`` it has not reached itself (that rank
+      cannot come to the save first; seen for ``BARRIER_SETTLE_S``, 1 s, so
+      a lone save takes about 1.5 s), otherwise after
+      ``RENDEZVOUS_TIMEOUT_S``.  To know this, every blocking barrier on the
+      default process group adds one to a count in the store as a rank
+      enters it and one as it leaves (two store additions a barrier; where
+      ``barrier`` is not the function zeroshim knows, or the store fails,
+      nothing is counted and the whole wait applies).  Then, with a
       WARNING on that rank naming the cause and the remedies; and
       ``PeftModel.save_pretrained`` notes the directory, whose adapter file is
       read again when the process exits (``check_lone_saves``, shapes only):
@@ -115,7 +124,8 @@ Fix
       deepspeed.py`` lines 552-581: it gathers on every rank, calls
       ``save_pretrained`` on rank 0 alone, then replaces the file with
       ``adapter_model.bin``).  Such a program's files are the same with and
-      without zeroshim; its save takes ``RENDEZVOUS_TIMEOUT_S`` longer.
+      without zeroshim; its save takes about 1.5 s longer (its other ranks
+      wait in a barrier; up to zeroshim 0.2.x, ``RENDEZVOUS_TIMEOUT_S``).
       A lone ``save_pretrained`` without ``state_dict`` on a rank other than
       global rank 0 skips its write instead (WARNING): its file could only
       hold placeholders, and written after rank 0's it replaces the whole one.
@@ -138,7 +148,7 @@ import os
 
 from zeroshim import _dist, _log
 from zeroshim._core import Patch, is_active
-from zeroshim._patcher import Patcher, guard, require, require_attr, require_params
+from zeroshim._patcher import Patcher, TargetChanged, guard, require, require_attr, require_params
 
 NAME = "zero3_peft_save"
 #: seconds a rank saving a partitioned adapter waits for the other ranks before saving alone
@@ -481,7 +491,6 @@ def _rendezvous(plan, kind: str = "peft") -> "str | None":
     """Meet the other ranks in the default store; None when all arrived with the same ``plan``, else why not.
     ``kind`` keeps the Trainer's meetings and peft's apart (their own sequence numbers and keys: a Trainer save
     and a lone ``save_pretrained`` may carry the same parameters)."""
-    import datetime
     import zlib
 
     import torch.distributed as dist
@@ -501,16 +510,135 @@ def _rendezvous(plan, kind: str = "peft") -> "str | None":
     if store.add(key, 1) >= world:
         store.set(key + "/all", "1")
     else:
-        try:
-            store.wait([key + "/all"], datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        except Exception:  # DistStoreError: timed out
-            # withdraw, so that a later save on every rank still meets; where the count was full when this
-            # rank withdrew, the last rank arrived as it timed out, and the others go ahead: so does this one
-            if store.add(key, -1) < world - 1:
-                return (f"rank {dist.get_rank()} waited {RENDEZVOUS_TIMEOUT_S:g} s, and not every one of the "
-                        f"{world} ranks called it with the same parameters")
+        why = _wait_for_all(store, key + "/all", dist.get_rank(), world)
+        # withdraw, so that a later save on every rank still meets; where the count was full when this
+        # rank withdrew, the last rank arrived as it gave up, and the others go ahead: so does this one
+        if why is not None and store.add(key, -1) < world - 1:
+            return why
     _where["seq/" + kind] += 1
     return None
+
+
+def _wait_for_all(store, key: str, rank: int, world: int) -> "str | None":
+    """Wait until ``key`` is set (every rank arrived: None), or say why this rank stops waiting: another rank
+    is seen waiting, for ``BARRIER_SETTLE_S`` on end, in a barrier this rank has not reached (it cannot come to
+    this save before this rank reaches that barrier), or ``RENDEZVOUS_TIMEOUT_S`` passed."""
+    import datetime
+    import time
+
+    start = time.monotonic()
+    blocked_since = None
+    while True:
+        left = start + RENDEZVOUS_TIMEOUT_S - time.monotonic()
+        if left <= 0:
+            return (f"rank {rank} waited {RENDEZVOUS_TIMEOUT_S:g} s, and not every one of the {world} ranks called "
+                    "it with the same parameters")
+        try:
+            store.wait([key], datetime.timedelta(seconds=min(POLL_S, left)))
+            return None
+        except Exception:  # DistStoreError: not set yet
+            pass
+        now = time.monotonic()
+        if not _peer_in_barrier(store):
+            blocked_since = None
+        elif blocked_since is None:
+            blocked_since = now
+        elif now - blocked_since >= BARRIER_SETTLE_S:
+            return (f"another rank waits in torch.distributed.barrier() (barrier {_barriers['entered'] + 1} of the "
+                    f"job), which rank {rank} has not reached, so it cannot join this save first")
+
+
+# -- torch.distributed.barrier: which rank waits in which barrier --------------------------------------------
+#: a rank saving alone polls every POLL_S seconds whether the others arrived or wait in a barrier
+POLL_S = 0.5
+#: how long another rank must be seen inside a barrier this rank has not reached before this rank saves alone
+#: (a barrier that has just completed counts as entered and not left until its rank writes that it left)
+BARRIER_SETTLE_S = 1.0
+#: barriers on the default process group this process entered through torch.distributed.barrier; "off": why
+#: counting stopped (the store failed once), after which this rank never decides from the counts
+_barriers: dict = {"entered": 0, "off": None}
+
+
+def _barrier_key(number: int) -> str:
+    return f"zeroshim/{NAME}/barrier/{number}"
+
+
+def _peer_in_barrier(store) -> bool:
+    """Whether some rank is now inside the barrier this rank would enter next (entered, not left): it waits
+    there for this rank.  Each rank counts the blocking barriers on the default group it enters; all ranks call
+    them in the same order, so a rank's n-th is every rank's n-th."""
+    if _barriers["off"]:
+        return False
+    key = _barrier_key(_barriers["entered"] + 1)
+    try:
+        entered = store.add(key + "/in", 0)  # read before "out": a rank that leaves in between reads as left
+        return entered > store.add(key + "/out", 0)
+    except Exception:
+        return False
+
+
+def _barrier(wrapped, instance, args, kwargs):
+    """Wraps ``torch.distributed.barrier(group=None, async_op=False, device_ids=None)``: a blocking barrier on
+    the default process group adds one to the store's count of ranks inside it before, and one to those that
+    left it after (two store additions a barrier; nothing else changes, and a failing store only stops the
+    counting)."""
+    key = None
+    if is_active(NAME) and not _barriers["off"]:
+        try:
+            key = _barrier_enter(args, kwargs)
+        except Exception as exc:  # never the reason a barrier fails: stop counting on this rank
+            _barriers["off"] = f"{type(exc).__name__}: {exc}"
+            _log.log.debug("zeroshim[%s]: stopped counting barriers (%s)", NAME, _barriers["off"])
+    if key is None:
+        return wrapped(*args, **kwargs)
+    store, key = key
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        try:
+            store.add(key + "/out", 1)
+        except Exception as exc:
+            _barriers["off"] = f"{type(exc).__name__}: {exc}"
+
+
+def _barrier_enter(args, kwargs):
+    """``(store, key)`` after counting this rank into a blocking barrier on the default group; None for any
+    other call (asynchronous, another group, no process group of several ranks)."""
+    group = args[0] if args else kwargs.get("group")
+    async_op = args[1] if len(args) > 1 else kwargs.get("async_op", False)
+    if async_op:
+        return None
+    found = _dist.group()
+    if found is None:
+        return None
+    dist = found[0]
+    if group is not None and group is not dist.distributed_c10d._get_default_group():
+        return None
+    number = _barriers["entered"] + 1
+    store = _dist.default_store(dist)
+    key = _barrier_key(number)
+    store.add(key + "/in", 1)
+    _barriers["entered"] = number
+    return store, key
+
+
+def patch_barrier(module, patcher: Patcher) -> None:
+    """Counts the barriers (``_barrier``) where ``barrier`` is the function it knows; elsewhere counts nothing,
+    and a rank saving alone then waits ``RENDEZVOUS_TIMEOUT_S`` as before: the counting only shortens a wait,
+    so a changed ``barrier`` never skips the patch (a skip here would take the saves' fix with it)."""
+    import inspect
+
+    try:
+        func = require_attr(module, "barrier")
+        params = list(inspect.signature(func, follow_wrapped=True).parameters)
+        require(params[:2] == ["group", "async_op"], f"it takes ({', '.join(params)}), not (group, async_op, ...)")
+        require_attr(module, "_get_default_group")
+    except (TargetChanged, TypeError, ValueError) as exc:
+        _barriers["off"] = f"torch.distributed.barrier is not counted: {exc}"
+        _log.log.debug("zeroshim[%s]: %s; a rank saving alone waits %g s", NAME, _barriers["off"],
+                       RENDEZVOUS_TIMEOUT_S)
+        return
+    patcher.wrap(module, "barrier", _barrier, rebind_aliases=True)
 
 
 def _alone_warning(plan, why: str) -> str:
@@ -731,8 +859,8 @@ PATCH = Patch(
                    "custom loops, save_pretrained and get_peft_model_state_dict: every peft, 0.21 only warns"),
     affects={"peft": "", "deepspeed": ""},
     targets={"peft.utils.save_and_load": patch_save_and_load, "peft.peft_model": patch_peft_model,
-             "transformers.trainer": patch_trainer},
-    optional=("transformers.trainer", "peft.peft_model"),
+             "transformers.trainer": patch_trainer, "torch.distributed.distributed_c10d": patch_barrier},
+    optional=("transformers.trainer", "peft.peft_model", "torch.distributed.distributed_c10d"),
     on_undo=_reset,
     check_config=check_config,
 )

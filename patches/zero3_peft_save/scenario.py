@@ -12,7 +12,8 @@
   ``trainer.save_model``; in the custom loop ``save_pretrained`` on every rank, then
   on rank 0 alone, then with the default ``stage3_param_persistence_threshold``
   (LoRA tensors that small are not partitioned: saved whole, the not-affected case);
-* ``with``: the same with zeroshim (the rendezvous timeout is shortened to 5 s).
+* ``with``: the same with zeroshim (the rendezvous timeout set to ``LONG_WAIT_S``; every lone save's time is
+  recorded).
 
 The Trainer runs are repeated with the vocabulary resized before LoRA (64 -> 68 tokens: peft saves the
 frozen embeddings too), with each 16-bit gather setting, and once with ms-swift's exclude-frozen attribute on
@@ -23,8 +24,10 @@ believes it is the main process (rank 0 with the gathered dictionary, the others
 ``state_dict=None``: axolotl on a CPU); and OpenRLHF's way (0.11.2 ``DeepspeedStrategy.save_model``, in
 shape): every rank gathers the trainable parameters, rank 0 alone calls
 ``save_pretrained`` and then writes ``adapter_model.bin`` from the gathered dictionary
-and removes peft's ``adapter_model.safetensors``.  With zeroshim each lone save's file is
-checked (``check_lone_saves``, as at exit) and the verdicts are recorded.
+and removes peft's ``adapter_model.safetensors``.  In each of these the ranks not saving wait in
+``torch.distributed.barrier()``; last, rank 0 saves alone while rank 1 waits in an all-reduce instead.
+With zeroshim each lone save's file is checked (``check_lone_saves``, as at exit) and the verdicts are
+recorded, and so is each save's time.
 
 Every saved ``adapter_model.safetensors`` is read back on every rank: its tensors'
 shapes, a SHA-256 of their float32 bytes (sorted by key) and their values.
@@ -32,6 +35,7 @@ shapes, a SHA-256 of their float32 bytes (sorted by key) and their values.
 
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,6 +48,9 @@ deepspeed = import_deepspeed(fix_gloo_gathers=True)
 from tiny_lora import SEQ, VOCAB, batch, build_model, llama_config  # noqa: E402  (after DeepSpeed: old releases need it)
 
 NAME = "zero3_peft_save"
+# the wait of a rank saving alone, with zeroshim: long where the other rank waits in a barrier (zeroshim sees it
+# there and stops waiting at once), short where it waits in another collective (the whole wait is spent)
+LONG_WAIT_S, SHORT_WAIT_S = 30.0, 3.0
 ADAPTER = "adapter_model.safetensors"
 ADAPTER_BIN = "adapter_model.bin"
 
@@ -201,10 +208,12 @@ def save_and_read(engine, where: str, ranks) -> dict:
     say): two ranks writing one file at once can leave it torn."""
     out = {}
     if dist.get_rank() in ranks:
+        started = time.monotonic()
         try:
             engine.module.save_pretrained(where, is_main_process=dist.get_rank() == min(ranks))
         except Exception as exc:
             out = {"error": f"{type(exc).__name__}: {exc}"}
+        out["seconds"] = time.monotonic() - started
     dist.barrier()
     out.update(read_adapter(where))
     dist.barrier()
@@ -240,7 +249,9 @@ def openrlhf_style_save(engine, where: str) -> dict:
     out = {}
     if dist.get_rank() == 0:
         try:
+            started = time.monotonic()
             engine.module.save_pretrained(where)
+            out["seconds"] = time.monotonic() - started
             torch.save(get_peft_model_state_dict(engine.module, state_dict=full), os.path.join(where, ADAPTER_BIN))
             os.remove(os.path.join(where, ADAPTER))
         except Exception as exc:
@@ -257,15 +268,43 @@ def both_main_save(engine, where: str) -> dict:
     and the others None, and every rank calls ``save_pretrained(dir, state_dict=...)``."""
     full = gathered_trainable(engine, every_rank=False)
     out = {}
+    started = time.monotonic()
     try:
         engine.module.save_pretrained(where, state_dict=full)
     except Exception as exc:
         out = {"error": f"{type(exc).__name__}: {exc}"}
+    out["seconds"] = time.monotonic() - started
     dist.barrier()
     try:
         out.update(read_adapter(where))
     except Exception as exc:  # two ranks wrote one file at once (without zeroshim)
         out.update({"written": True, "unreadable": f"{type(exc).__name__}: {exc}"})
+    dist.barrier()
+    return out
+
+
+def beside_collective(engine, where: str, mode: str) -> dict:
+    """Rank 0 saves alone while rank 1 waits in an all-reduce, not a barrier (with zeroshim the wait is shortened
+    to ``SHORT_WAIT_S``): zeroshim cannot tell that rank 1 is not coming, so rank 0 waits the whole timeout, then
+    writes peft's file as a rank alone does."""
+    out = {}
+    if dist.get_rank() == 0:
+        patch = None
+        if mode == "with":
+            from zeroshim.patches import zero3_peft_save as patch
+
+            timeout, patch.RENDEZVOUS_TIMEOUT_S = patch.RENDEZVOUS_TIMEOUT_S, SHORT_WAIT_S
+        started = time.monotonic()
+        try:
+            engine.module.save_pretrained(where)
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if patch is not None:
+                patch.RENDEZVOUS_TIMEOUT_S = timeout
+        out["seconds"] = time.monotonic() - started
+    dist.all_reduce(torch.zeros(1))
+    out.update(read_adapter(where))
     dist.barrier()
     return out
 
@@ -292,6 +331,8 @@ def custom_save(mode: str) -> dict:
             out["rank0_overwrite"] = openrlhf_style_save(engine, os.path.join(root, "overwrite"))
             out["rank0_overwrite"]["check"] = lone_check(mode)
             out["rank1_only"] = save_and_read(engine, os.path.join(root, "rank1"), (1,))
+            out["beside_collective"] = beside_collective(engine, os.path.join(root, "collective"), mode)
+            out["beside_collective"]["check"] = lone_check(mode)
             out["both_main"] = both_main_save(engine, os.path.join(root, "both"))
             # after lone saves, a save on every rank still meets and gathers
             out["every_rank_again"] = save_and_read(engine, os.path.join(root, "again"), (0, 1))
@@ -322,7 +363,8 @@ def main():
     zeroshim = enable_zeroshim()
     from zeroshim.patches import zero3_peft_save as patch
 
-    patch.RENDEZVOUS_TIMEOUT_S = 5.0
+    patch.RENDEZVOUS_TIMEOUT_S = LONG_WAIT_S
+    results["waits"] = {"long": LONG_WAIT_S, "short": SHORT_WAIT_S}
     results["status"] = zeroshim.status()[NAME].as_dict()
     results["with"] = attempt(run, "with")
     results["stats"] = dict(patch.stats)
