@@ -163,6 +163,8 @@ REQUIREMENTS = {
     ],
     "zero_auto_hidden_size": [],
     "trainer_auto_hidden_size": [],  # transformers' HfTrainerDeepSpeedConfig: no DeepSpeed target
+    "zero3_init_auto_batch": [("params", "deepspeed.runtime.zero.partition_parameters", "Init.__init__",
+                               ("config_dict_or_path", "config"))],
     "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",

@@ -63,4 +63,5 @@ PATCH_MODULES = (
     "gas_output_scaling",
     "zero3_universal_load",
     "accelerate_accumulation_boundary",
+    "zero3_init_auto_batch",
 )

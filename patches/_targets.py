@@ -53,6 +53,7 @@ TARGETS = {
     'gas_output_scaling': ('deepspeed.runtime.engine',),
     'zero3_universal_load': ('deepspeed.runtime.zero.stage3',),
     'accelerate_accumulation_boundary': ('accelerate.state', 'accelerate.accelerator', 'accelerate.utils.deepspeed'),
+    'zero3_init_auto_batch': ('deepspeed.runtime.zero.partition_parameters',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
