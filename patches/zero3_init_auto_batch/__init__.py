@@ -33,17 +33,21 @@ Flag
     ``ZEROSHIM_ZERO3_INIT_AUTO_BATCH=auto|on|off`` (default ``auto``).
 
 Fix
-    ``zero.Init.__init__`` is wrapped: where its config (``config_dict_or_path``, or the deprecated ``config``)
-    is a dict -- or the path of a JSON file holding one -- that DeepSpeed would refuse for its batch sizes alone
+    ``zero.Init.__init__`` is wrapped: where its config (``config``, which it takes over
+    ``config_dict_or_path``, else ``config_dict_or_path``) is a dict -- or the path of a JSON file holding one,
+    without duplicate keys (DeepSpeed refuses those) -- that DeepSpeed would refuse for its batch entries alone
     (one of ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` is
-    ``"auto"``, or neither of the first two is given), ``zero.Init`` gets a copy without the ``"auto"`` batch
-    entries and, where neither of the first two is left, ``train_micro_batch_size_per_gpu: 1`` (accelerate's
-    choice).  DeepSpeed derives the rest as it does for any config.  Nothing else in the config changes, the
-    caller's dict and file are not touched, and what ``zero.Init`` builds is what the same config with
-    numbers there builds, bit for bit (the values are never read).  A config with elasticity enabled, a
-    ``None`` config, concrete batch sizes (right or wrong: DeepSpeed's own check stays) and anything that is
-    not a dict or a JSON file reach DeepSpeed as given.  One INFO line per job (it acts only where DeepSpeed
-    would refuse the config).
+    ``"auto"``, or neither of the first two is given), ``zero.Init`` gets a copy with micro-batch 1,
+    accumulation 1 and no ``train_batch_size`` (accelerate's choice for its own ``zero.Init``; valid at any
+    world size).  Nothing else in the config changes, the caller's dict and file are not touched, and what
+    ``zero.Init`` builds is what the same config with numbers there builds, bit for bit (the values are never
+    read).  Left to DeepSpeed as given: a config with elasticity enabled, a ``None`` config, concrete batch
+    sizes (right or wrong: DeepSpeed's own check stays), anything that is not a dict or a JSON file, and, on
+    DeepSpeed < 0.17 (no ``runtime/precision_config.py``), a config whose ``fp16`` or ``bf16`` says
+    ``"enabled": "auto"``: those releases read that ``"auto"`` as on, so ``zero.Init`` would build the model
+    in that dtype where the Trainer may later fill it with false (0.17 and later drop ``"auto"`` to the
+    default, off).  ``MiCS_Init`` builds its own ``DeepSpeedConfig`` first and is not covered.  One INFO line
+    per job (it acts only where DeepSpeed would refuse the config).
 
 Undo
     ``zeroshim.unpatch("zero3_init_auto_batch")`` restores ``zero.Init.__init__``.
@@ -67,6 +71,12 @@ stats = {"given": []}
 AUTO = "auto"
 TRAIN, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 BATCH = (TRAIN, MICRO, GAS)
+#: zero.Init's frame in a traceback (not just a log line of partition_parameters.py): the same errors from
+#: deepspeed.initialize are the config's own
+INIT_FRAME = r'partition_parameters\.py", line \d+, in __init__'
+#: the precision sections whose "enabled" DeepSpeed < 0.17 reads as given ("auto" counts as on)
+PRECISION = ("fp16", "bf16", "bfloat16")
+_where: dict = {}
 
 
 def refused(config: dict) -> bool:
@@ -81,12 +91,16 @@ def refused(config: dict) -> bool:
     return config.get(TRAIN) is None and config.get(MICRO) is None
 
 
+def precision_auto(config: dict) -> bool:
+    """Whether an ``fp16``/``bf16`` section says ``"enabled": "auto"`` (DeepSpeed < 0.17 takes it as on)."""
+    return any(isinstance(config.get(key), dict) and config[key].get("enabled") == AUTO for key in PRECISION)
+
+
 def accepted(config: dict) -> dict:
-    """A copy of ``config`` without its ``"auto"`` batch entries and, where neither ``train_batch_size`` nor
-    ``train_micro_batch_size_per_gpu`` is left, with ``train_micro_batch_size_per_gpu: 1``."""
-    out = {key: value for key, value in config.items() if not (key in BATCH and value == AUTO)}
-    if out.get(TRAIN) is None and out.get(MICRO) is None:
-        out[MICRO] = 1
+    """A copy of ``config`` with micro-batch 1, accumulation 1 and no ``train_batch_size`` (valid at any world
+    size; ``zero.Init`` reads none of them)."""
+    out = {key: value for key, value in config.items() if key != TRAIN}
+    out.update({MICRO: 1, GAS: 1})
     return out
 
 
@@ -95,11 +109,17 @@ def _read(path) -> "dict | None":
     then DeepSpeed reads the path itself."""
     import json
 
+    def unique(pairs):  # DeepSpeed refuses duplicate keys (dict_raise_error_on_duplicate_keys): so does this
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("duplicate keys")
+        return dict(pairs)
+
     try:
         if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
             return None
         with open(path, encoding="utf-8") as handle:
-            loaded = json.load(handle)
+            loaded = json.load(handle, object_pairs_hook=unique)
     except (OSError, ValueError):
         return None
     return loaded if isinstance(loaded, dict) else None
@@ -111,22 +131,27 @@ def _make_init(positions: dict):
         (``positions``: where the two configs come among the positional arguments, ``self`` not counted)."""
         with guard(NAME):
             if is_active(NAME):
-                for key, position in positions.items():
+                # zero.Init takes ``config`` over ``config_dict_or_path`` where both are given
+                for key, position in sorted(positions.items(), key=lambda item: item[0] != "config"):
                     positional = len(args) > position
                     given = args[position] if positional else kwargs.get(key)
-                    config = given if isinstance(given, dict) else _read(given) if given is not None else None
-                    if config is None or not refused(config):
+                    if given is None:
                         continue
+                    config = given if isinstance(given, dict) else _read(given)
+                    if config is None or not refused(config) or (precision_auto(config)
+                                                                 and not _where.get("precision_models")):
+                        break  # DeepSpeed reads this one as given (and its own error stays)
                     stats["given"].append({k: config[k] for k in BATCH if k in config})
                     if positional:
                         args = args[:position] + (accepted(config),) + tuple(args[position + 1:])
                     else:
                         kwargs = {**kwargs, key: accepted(config)}
                     shown = ", ".join(f"{k}={config[k]!r}" for k in BATCH if k in config) or "none"
-                    _log.acted(NAME, "zero.Init got its config with the batch sizes left to DeepSpeed (given: %s; "
-                                     "the model is built as with numbers there)",
+                    _log.acted(NAME, "zero.Init got its config with micro-batch 1, accumulation 1 and no "
+                                     "train_batch_size (given: %s; the model is built as with numbers there)",
                                "zero.Init validates the batch sizes it never uses, and refuses \"auto\" (a value "
                                "the HF Trainer fills later) or a config without them", shown)
+                    break
         return wrapped(*args, **kwargs)
 
     return _init
@@ -140,6 +165,11 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
     require(names[:1] == ["self"] and "config_dict_or_path" in names and "config" in names,
             f"zero.Init.__init__ takes ({', '.join(names)}), without config_dict_or_path and config")
     positions = {key: names.index(key) - 1 for key in ("config_dict_or_path", "config")}
+    # DeepSpeed >= 0.17 reads fp16/bf16 through pydantic models that drop "auto" (off); before, "enabled": "auto"
+    # counts as on, so a config with it is left to DeepSpeed there (zero.Init would build the model in that dtype)
+    import importlib.util
+
+    _where["precision_models"] = importlib.util.find_spec("deepspeed.runtime.precision_config") is not None
     patcher.wrap(cls, "__init__", _make_init(positions))
 
 
@@ -162,12 +192,9 @@ PATCH = Patch(
     summary="zero.Init (from_pretrained under HfDeepSpeedConfig, or called directly) with \"auto\" or no batch "
             "sizes in the config: \"'>' not supported between instances of 'str' and 'int'\" / \"Either "
             "train_batch_size or train_micro_batch_size_per_gpu needs to be provided\"",
-    # the zero.Init frame in the traceback: the same errors from deepspeed.initialize are the config's own
     signatures=((r"TypeError: (?:'>' not supported between instances of 'str' and 'int'|can't multiply sequence by "
-                 r"non-int of type 'str')", r"_batch_assertion|_set_batch_related_parameters",
-                 r"partition_parameters\.py"),
-                (r"Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
-                 r"partition_parameters\.py")),
+                 r"non-int of type 'str')", r"_batch_assertion|_set_batch_related_parameters", INIT_FRAME),
+                (r"Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided", INIT_FRAME)),
     versions_note="every zero.Init that validates its config",
     affects={"deepspeed": ""},
     fingerprint=Fingerprint("deepspeed.runtime.zero.partition_parameters", r"DeepSpeedConfig\(\s*config_dict_or_path",

@@ -5,7 +5,7 @@ and once the default).
 Cases, each run ``without`` zeroshim, ``with`` it, and as the ``reference`` (the same config with numbers for the
 batch sizes: ``train_micro_batch_size_per_gpu: 1, gradient_accumulation_steps: 1``, what accelerate fills):
 
-* ``hf_auto``: the HF Trainer's kind of config (``"auto"`` batch sizes, clipping and bf16) registered with
+* ``hf_auto``: the HF Trainer's kind of config (``"auto"`` batch sizes and clipping) registered with
   ``HfDeepSpeedConfig`` before ``LlamaForCausalLM.from_pretrained`` (a tiny Llama saved by rank 0), then two
   training steps under ``deepspeed.initialize`` with the reference's config;
 * ``hf_default``: the same with DeepSpeed's default persistence threshold (the small parameters stay whole);
@@ -15,6 +15,9 @@ batch sizes: ``train_micro_batch_size_per_gpu: 1, gradient_accumulation_steps: 1
 * ``raw_path``: ``deepspeed.zero.Init(config_dict_or_path=<a JSON file with "auto" batch sizes>)`` around a
   small ``nn.Sequential``;
 * ``train_only``: ``train_batch_size: 4`` with the other two ``"auto"``: DeepSpeed derives them from 4;
+* ``hf_precision``: as ``hf_auto``, with ``fp16`` and ``bf16`` ``"enabled": "auto"`` too (transformers' docs'
+  ZeRO-3 config; the other cases say ``bf16`` false).  DeepSpeed < 0.17 reads such an ``"auto"`` as on, so there
+  zeroshim leaves the config to DeepSpeed's error;
 * ``wrong``: numbers that do not fit (``train_batch_size`` 3, micro-batch 2, one step, 2 ranks): DeepSpeed's own
   error, with and without zeroshim (and no reference).
 
@@ -40,9 +43,11 @@ AUTO = "auto"
 
 def config(case: str, reference: bool) -> dict:
     zero = {"stage": 3} if case == "hf_default" else {"stage": 3, "stage3_param_persistence_threshold": 0}
-    cfg = {"gradient_clipping": AUTO, "bf16": {"enabled": AUTO}, "zero_allow_untested_optimizer": True,
+    cfg = {"gradient_clipping": AUTO, "bf16": {"enabled": False}, "zero_allow_untested_optimizer": True,
            "zero_optimization": zero, "steps_per_print": 10**9}
-    if case in ("hf_auto", "hf_default", "raw_path"):
+    if case == "hf_precision":  # the HF docs' ZeRO-3 config: the precision "auto" too
+        cfg.update(fp16={"enabled": AUTO}, bf16={"enabled": AUTO})
+    if case in ("hf_auto", "hf_default", "hf_precision", "raw_path"):
         cfg.update(train_micro_batch_size_per_gpu=AUTO, gradient_accumulation_steps=AUTO, train_batch_size=AUTO)
     elif case == "hf_two":  # no train_batch_size: DeepSpeed multiplies the two strings
         cfg.update(train_micro_batch_size_per_gpu=AUTO, gradient_accumulation_steps=AUTO)
@@ -92,9 +97,12 @@ def load(case: str, path: str, reference: bool, scratch: str) -> dict:
         with open(file) as handle:
             kept = json.load(handle) == given
         return {**shards(module), "user_config_kept": kept}
+    from transformers.integrations.deepspeed import deepspeed_config
+
     keep = HfDeepSpeedConfig(cfg)  # noqa: F841  (kept alive for from_pretrained, as transformers' docs say)
     model = LlamaForCausalLM.from_pretrained(path)
-    out = {**shards(model), "user_config_kept": cfg == given}
+    # the caller's dict, and the copy transformers registered (which zero.Init got): "auto"s kept for the Trainer
+    out = {**shards(model), "user_config_kept": cfg == given and deepspeed_config() == given}
     if case == "hf_auto":
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                           config=train_config())
@@ -121,7 +129,7 @@ def traced(*args) -> dict:
         return {"ok": False, "error": describe(exc), "traceback": "".join(traceback.format_exception(exc))}
 
 
-CASES = ("hf_auto", "hf_default", "hf_two", "hf_none", "raw_path", "train_only", "wrong")
+CASES = ("hf_auto", "hf_default", "hf_two", "hf_none", "raw_path", "train_only", "hf_precision", "wrong")
 
 
 def run(path: str, mode: str) -> dict:
@@ -144,6 +152,9 @@ def main():
     results["status"] = zeroshim.status()[NAME].as_dict()
     results["with"] = run(path, "with")
     results["given"] = zeroshim.stats(NAME)["given"]
+    from zeroshim.patches import zero3_init_auto_batch as patch
+
+    results["precision_models"] = patch._where.get("precision_models")
     end(out, results)
 
 

@@ -112,9 +112,11 @@ Fix
       a lone save takes about 1.5 s), otherwise after
       ``RENDEZVOUS_TIMEOUT_S``.  To know this, every blocking barrier on the
       default process group adds one to a count in the store as a rank
-      enters it and one as it leaves (two store additions a barrier; where
-      ``barrier`` is not the function zeroshim knows, or the store fails,
-      nothing is counted and the whole wait applies).  Then, with a
+      enters it and one as it leaves (two store additions a barrier, about
+      0.1-0.3 ms; rank 0 deletes the previous barrier's keys; the keys name
+      the torchrun run and restart, whose store outlives restarted workers;
+      where ``barrier`` is not the function zeroshim knows, or the store
+      fails, nothing is counted and the whole wait applies).  Then, with a
       WARNING on that rank naming the cause and the remedies; and
       ``PeftModel.save_pretrained`` notes the directory, whose adapter file is
       read again when the process exits (``check_lone_saves``, shapes only):
@@ -506,7 +508,7 @@ def _rendezvous(plan, kind: str = "peft") -> "str | None":
         return f"no key-value store to meet the other ranks in ({exc})"
     signature = zlib.crc32(repr([(p.ds_id, tuple(p.ds_shape)) for p in plan]).encode())
     seq = _where.setdefault("seq/" + kind, 0)
-    key = f"zeroshim/{NAME}/{kind}/{seq}/{signature:08x}"
+    key = f"zeroshim/{NAME}/{_run()}/{kind}/{seq}/{signature:08x}"
     if store.add(key, 1) >= world:
         store.set(key + "/all", "1")
     else:
@@ -519,26 +521,32 @@ def _rendezvous(plan, kind: str = "peft") -> "str | None":
     return None
 
 
+def _run() -> str:
+    """This run of the job, for the store's keys: torchrun keeps its store across the restarts of its workers
+    (``--max-restarts``), and a restarted worker counts from 0 again, so keys left by an earlier attempt must not
+    be read as this one's."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def _wait_for_all(store, key: str, rank: int, world: int) -> "str | None":
     """Wait until ``key`` is set (every rank arrived: None), or say why this rank stops waiting: another rank
     is seen waiting, for ``BARRIER_SETTLE_S`` on end, in a barrier this rank has not reached (it cannot come to
-    this save before this rank reaches that barrier), or ``RENDEZVOUS_TIMEOUT_S`` passed."""
-    import datetime
+    this save before this rank reaches that barrier), or ``RENDEZVOUS_TIMEOUT_S`` passed.  Polls with
+    ``store.check`` (no blocking wait: a zero timeout means "forever" to c10d, and each timed-out wait logs)."""
     import time
 
     start = time.monotonic()
-    blocked_since = None
+    pause, blocked_since = 0.005, None
     while True:
-        left = start + RENDEZVOUS_TIMEOUT_S - time.monotonic()
-        if left <= 0:
+        try:
+            if store.check([key]):
+                return None
+        except Exception as exc:  # the store itself failed: nobody can meet in it
+            return f"the process group's store failed ({type(exc).__name__}: {exc})"
+        now = time.monotonic()
+        if now - start >= RENDEZVOUS_TIMEOUT_S:
             return (f"rank {rank} waited {RENDEZVOUS_TIMEOUT_S:g} s, and not every one of the {world} ranks called "
                     "it with the same parameters")
-        try:
-            store.wait([key], datetime.timedelta(seconds=min(POLL_S, left)))
-            return None
-        except Exception:  # DistStoreError: not set yet
-            pass
-        now = time.monotonic()
         if not _peer_in_barrier(store):
             blocked_since = None
         elif blocked_since is None:
@@ -546,10 +554,12 @@ def _wait_for_all(store, key: str, rank: int, world: int) -> "str | None":
         elif now - blocked_since >= BARRIER_SETTLE_S:
             return (f"another rank waits in torch.distributed.barrier() (barrier {_barriers['entered'] + 1} of the "
                     f"job), which rank {rank} has not reached, so it cannot join this save first")
+        time.sleep(min(pause, max(0.0, start + RENDEZVOUS_TIMEOUT_S - now)))
+        pause = min(pause * 2, POLL_S)
 
 
 # -- torch.distributed.barrier: which rank waits in which barrier --------------------------------------------
-#: a rank saving alone polls every POLL_S seconds whether the others arrived or wait in a barrier
+#: a rank saving alone polls whether the others arrived or wait in a barrier, at most POLL_S seconds apart
 POLL_S = 0.5
 #: how long another rank must be seen inside a barrier this rank has not reached before this rank saves alone
 #: (a barrier that has just completed counts as entered and not left until its rank writes that it left)
@@ -560,7 +570,7 @@ _barriers: dict = {"entered": 0, "off": None}
 
 
 def _barrier_key(number: int) -> str:
-    return f"zeroshim/{NAME}/barrier/{number}"
+    return f"zeroshim/{NAME}/{_run()}/barrier/{number}"
 
 
 def _peer_in_barrier(store) -> bool:
@@ -578,10 +588,11 @@ def _peer_in_barrier(store) -> bool:
 
 
 def _barrier(wrapped, instance, args, kwargs):
-    """Wraps ``torch.distributed.barrier(group=None, async_op=False, device_ids=None)``: a blocking barrier on
-    the default process group adds one to the store's count of ranks inside it before, and one to those that
-    left it after (two store additions a barrier; nothing else changes, and a failing store only stops the
-    counting)."""
+    """Wraps ``torch.distributed.barrier(group=None, async_op=False, device_ids=None, ...)``: a blocking barrier
+    on the default process group adds one to the store's count of ranks inside it before, and one to those that
+    left it after it returns (two store additions a barrier; global rank 0 also deletes the previous barrier's two
+    keys, which every rank left before it entered this one).  A failing store, or a barrier that raises, only
+    stops the counting on this rank; the barrier's own result or error is the user's."""
     key = None
     if is_active(NAME) and not _barriers["off"]:
         try:
@@ -593,12 +604,23 @@ def _barrier(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     store, key = key
     try:
-        return wrapped(*args, **kwargs)
-    finally:
-        try:
-            store.add(key + "/out", 1)
-        except Exception as exc:
-            _barriers["off"] = f"{type(exc).__name__}: {exc}"
+        result = wrapped(*args, **kwargs)
+    except BaseException:  # the user's error, at once (no store call that could wait on a lost store host)
+        _barriers["off"] = "a barrier raised"
+        raise
+    try:
+        store.add(key + "/out", 1)
+    except Exception as exc:
+        _barriers["off"] = f"{type(exc).__name__}: {exc}"
+        return result
+    number = _barriers["entered"]
+    try:
+        if number > 1 and _dist.group()[2] == 0:  # every rank left barrier n-1 before it entered barrier n
+            for end in ("/in", "/out"):
+                store.delete_key(_barrier_key(number - 1) + end)
+    except Exception:  # a store without delete_key: the keys stay (two small keys a barrier)
+        pass
+    return result
 
 
 def _barrier_enter(args, kwargs):

@@ -25,7 +25,8 @@ believes it is the main process (rank 0 with the gathered dictionary, the others
 shape): every rank gathers the trainable parameters, rank 0 alone calls
 ``save_pretrained`` and then writes ``adapter_model.bin`` from the gathered dictionary
 and removes peft's ``adapter_model.safetensors``.  In each of these the ranks not saving wait in
-``torch.distributed.barrier()``; last, rank 0 saves alone while rank 1 waits in an all-reduce instead.
+``torch.distributed.barrier()``; then rank 0 saves alone while rank 1 waits in an all-reduce instead; last,
+every rank saves with rank 1 ``LATE_S`` late and no barrier between.
 With zeroshim each lone save's file is checked (``check_lone_saves``, as at exit) and the verdicts are
 recorded, and so is each save's time.
 
@@ -51,6 +52,7 @@ NAME = "zero3_peft_save"
 # the wait of a rank saving alone, with zeroshim: long where the other rank waits in a barrier (zeroshim sees it
 # there and stops waiting at once), short where it waits in another collective (the whole wait is spent)
 LONG_WAIT_S, SHORT_WAIT_S = 30.0, 3.0
+LATE_S = 2.5  # how late rank 1 comes to a save on every rank (longer than a lone save waits beside a barrier)
 ADAPTER = "adapter_model.safetensors"
 ADAPTER_BIN = "adapter_model.bin"
 
@@ -336,6 +338,10 @@ def custom_save(mode: str) -> dict:
             out["both_main"] = both_main_save(engine, os.path.join(root, "both"))
             # after lone saves, a save on every rank still meets and gathers
             out["every_rank_again"] = save_and_read(engine, os.path.join(root, "again"), (0, 1))
+            # every rank saves, rank 1 LATE_S late, with no barrier between: rank 0 waits for it, and they gather
+            if dist.get_rank() == 1:
+                time.sleep(LATE_S)
+            out["every_rank_late"] = save_and_read(engine, os.path.join(root, "late"), (0, 1))
             persistent = custom_engine(threshold_zero=False)
             out["persistent"] = save_and_read(persistent, os.path.join(root, "persistent"), (0, 1))
     return out
@@ -364,7 +370,7 @@ def main():
     from zeroshim.patches import zero3_peft_save as patch
 
     patch.RENDEZVOUS_TIMEOUT_S = LONG_WAIT_S
-    results["waits"] = {"long": LONG_WAIT_S, "short": SHORT_WAIT_S}
+    results["waits"] = {"long": LONG_WAIT_S, "short": SHORT_WAIT_S, "late": LATE_S}
     results["status"] = zeroshim.status()[NAME].as_dict()
     results["with"] = attempt(run, "with")
     results["stats"] = dict(patch.stats)

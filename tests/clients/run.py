@@ -465,6 +465,32 @@ def acted_text(result: dict | None) -> str:
                      for name, value in acted.items() if value and (isinstance(value, str) or any(value.values())))
 
 
+#: relative difference of the losses allowed where a patch that declares it changes the numbers acted
+NUMBERS_RTOL = 1e-2
+
+
+def numbers_declared(result: dict | None) -> list[str]:
+    """The patches that said they acted in a zeroshim run and declare that they change the numbers of a run
+    that trains (``Patch.changes``; e.g. ``zero3_init_arange`` keeping a float32 ``torch.arange`` that
+    ``zero.Init`` rounds to bf16 on transformers < 5.23): where one acted, the run is not the plain run bit for
+    bit by design, and its WARNING said so."""
+    import zeroshim
+
+    declared = []
+    for name, value in (result or {}).get("acted", {}).items():
+        try:
+            if value and "numbers" in zeroshim.get_patch(name).changes:
+                declared.append(name)
+        except KeyError:  # not a patch's name
+            continue
+    return declared
+
+
+def close(losses: list, reference: list, rtol: float = NUMBERS_RTOL) -> bool:
+    return len(losses) == len(reference) and all(abs(a - b) <= rtol * max(abs(b), 1e-12)
+                                                 for a, b in zip(losses, reference))
+
+
 def check(case: dict, row: dict, rows: dict) -> list[str]:
     problems = []
     plain, shim = row["plain"], row["zeroshim"]
@@ -484,7 +510,9 @@ def check(case: dict, row: dict, rows: dict) -> list[str]:
     reference = plain["result"] or other.get("plain", {}).get("result") or \
         (other.get("zeroshim", {}).get("result") if other is not row else None)
     if shim["result"] and reference and shim["result"]["losses"] != reference["losses"]:
-        problems.append(f"losses differ: {shim['result']['losses']} vs {reference['losses']}")
+        declared = numbers_declared(shim["result"])
+        if not (declared and close(shim["result"]["losses"], reference["losses"])):
+            problems.append(f"losses differ: {shim['result']['losses']} vs {reference['losses']}")
     if shim["result"] is not None and not shim["result"].get("losses"):
         problems.append("no loss was logged")
     if any((row[arm]["result"] or {}).get("deepspeed") is False for arm in ("plain", "zeroshim")):
