@@ -103,16 +103,19 @@ result["same_after_apply_twice"] = {n: [(o, a, v) for o, a, _, v in again[n]] ==
 result["wrapped_twice_after_apply"] = {n: wrapped_once(r, n) for n, r in again.items()}
 zeroshim.unpatch(); zeroshim.unpatch()
 restored = {}
-# where two patches wrap the same attribute (the later one's wrapper outside), what must come back is what
-# the first of them found there
-found_first = {}
-for records in first.values():
-    for owner, attr, previous, value in records:
-        found_first.setdefault((id(owner), attr), previous)
+# where two patches (or a patch and a shared wrapper such as ranks_agree's on zero.Init) wrap the same
+# attribute, what must come back is what was there before zeroshim's first wrapper: the innermost value that is
+# not zeroshim's (whatever order the records come in)
+def before_zeroshim(previous):
+    while previous is not None and is_patched_by(previous):
+        previous = previous.__wrapped__
+    return previous
+
+
 for name, records in first.items():
     wrong = []
     for owner, attr, previous, value in records:
-        previous = found_first[(id(owner), attr)]
+        previous = before_zeroshim(previous)
         if vars(owner).get(attr, _MISSING) is not (_MISSING if previous is None else previous):
             wrong.append(f"{owner!r}.{attr}")
     restored[name] = wrong

@@ -104,6 +104,7 @@ def load(case: str, path: str, reference: bool, scratch: str) -> dict:
     # the caller's dict, and the copy transformers registered (which zero.Init got): "auto"s kept for the Trainer
     out = {**shards(model), "user_config_kept": cfg == given and deepspeed_config() == given}
     if case == "hf_auto":
+        model.train()  # from_pretrained leaves it in eval mode; DeepSpeed 0.14 refuses a backward there
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                           config=train_config())
         gen = torch.Generator().manual_seed(3 + dist.get_rank())
