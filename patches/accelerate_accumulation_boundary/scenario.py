@@ -145,9 +145,8 @@ def accumulate(fix: bool, stage: int = 1, ours: "int | None" = GA, use_accumulat
 
 def stale(fix: bool) -> dict:
     """A ZeRO-2 ``accumulate`` loop left in the middle of a window (after 3 micro-batches: accelerate's sync state
-    false),
-    then, in the same process and without resetting accelerate's gradient state, the ``noacc`` loop: the second
-    run's result."""
+    false), then, in the same process and without resetting accelerate's gradient state, the ``noacc`` loop: the
+    second run's result."""
     accumulate(fix, stage=2, stop_after=3)
     return accumulate(fix, stage=2, use_accumulate=False, fresh=False)
 

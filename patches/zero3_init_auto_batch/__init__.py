@@ -105,24 +105,42 @@ def accepted(config: dict) -> dict:
 
 
 def _read(path) -> "dict | None":
-    """The dict in the JSON file at ``path`` (as DeepSpeed reads it), or None (not a file, not JSON, not a dict):
-    then DeepSpeed reads the path itself."""
+    """The dict in the JSON file at ``path`` (read with DeepSpeed's own refusal of duplicate keys), or None (not a
+    file, not JSON, duplicate keys, not a dict): then DeepSpeed reads the path itself, with its own errors."""
     import json
 
-    def unique(pairs):  # DeepSpeed refuses duplicate keys (dict_raise_error_on_duplicate_keys): so does this
-        keys = [key for key, _ in pairs]
-        if len(set(keys)) != len(keys):
-            raise ValueError("duplicate keys")
-        return dict(pairs)
-
+    try:
+        from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+    except ImportError:
+        return None
     try:
         if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
             return None
         with open(path, encoding="utf-8") as handle:
-            loaded = json.load(handle, object_pairs_hook=unique)
+            loaded = json.load(handle, object_pairs_hook=dict_raise_error_on_duplicate_keys)
     except (OSError, ValueError):
         return None
     return loaded if isinstance(loaded, dict) else None
+
+
+def _given(config: dict) -> dict:
+    """The batch entries ``config`` has (absent keys left out)."""
+    return {key: config[key] for key in BATCH if key in config}
+
+
+def _shown(given: dict, none: str) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in given.items()) or none
+
+
+def _config_argument(positions: dict, args, kwargs) -> "tuple | None":
+    """``(name, position, value)`` of the config ``zero.Init`` reads: ``config`` where given (it takes it over
+    ``config_dict_or_path``), else ``config_dict_or_path``; None where neither is given."""
+    for key in ("config", "config_dict_or_path"):
+        position = positions[key]
+        value = args[position] if len(args) > position else kwargs.get(key)
+        if value is not None:
+            return key, position, value
+    return None
 
 
 def _make_init(positions: dict):
@@ -130,28 +148,23 @@ def _make_init(positions: dict):
         """Wraps ``deepspeed.zero.Init.__init__(module=None, ..., config_dict_or_path=None, config=None, ...)``
         (``positions``: where the two configs come among the positional arguments, ``self`` not counted)."""
         with guard(NAME):
-            if is_active(NAME):
-                # zero.Init takes ``config`` over ``config_dict_or_path`` where both are given
-                for key, position in sorted(positions.items(), key=lambda item: item[0] != "config"):
-                    positional = len(args) > position
-                    given = args[position] if positional else kwargs.get(key)
-                    if given is None:
-                        continue
-                    config = given if isinstance(given, dict) else _read(given)
-                    if config is None or not refused(config) or (precision_auto(config)
-                                                                 and not _where.get("precision_models")):
-                        break  # DeepSpeed reads this one as given (and its own error stays)
-                    stats["given"].append({k: config[k] for k in BATCH if k in config})
-                    if positional:
+            found = _config_argument(positions, args, kwargs) if is_active(NAME) else None
+            if found is not None:
+                key, position, given = found
+                config = given if isinstance(given, dict) else _read(given)
+                # else DeepSpeed reads it as given (and its own error stays)
+                if config is not None and refused(config) and not (precision_auto(config)
+                                                                   and not _where.get("precision_models")):
+                    batch = _given(config)
+                    stats["given"].append(batch)
+                    if len(args) > position:
                         args = args[:position] + (accepted(config),) + tuple(args[position + 1:])
                     else:
                         kwargs = {**kwargs, key: accepted(config)}
-                    shown = ", ".join(f"{k}={config[k]!r}" for k in BATCH if k in config) or "none"
                     _log.acted(NAME, "zero.Init got its config with micro-batch 1, accumulation 1 and no "
                                      "train_batch_size (given: %s; the model is built as with numbers there)",
                                "zero.Init validates the batch sizes it never uses, and refuses \"auto\" (a value "
-                               "the HF Trainer fills later) or a config without them", shown)
-                    break
+                               "the HF Trainer fills later) or a config without them", _shown(batch, "none"))
         return wrapped(*args, **kwargs)
 
     return _init
@@ -178,7 +191,7 @@ def check_config(cfg, affected: bool) -> list:
     before the HF Trainer fills it."""
     if not affected or cfg.stage != 3 or not isinstance(cfg.raw, dict) or not refused(cfg.raw):
         return []
-    shown = ", ".join(f"{k}={cfg.raw[k]!r}" for k in BATCH if k in cfg.raw) or "no batch size"
+    shown = _shown(_given(cfg.raw), "no batch size")
     return [{"level": "info",
              "message": f"ZeRO-3 config with {shown}: deepspeed.zero.Init refuses it where a script registers it "
                         "itself (HfDeepSpeedConfig before from_pretrained, or zero.Init(config_dict_or_path=...)) "

@@ -602,20 +602,19 @@ def _barrier(wrapped, instance, args, kwargs):
             _log.log.debug("zeroshim[%s]: stopped counting barriers (%s)", NAME, _barriers["off"])
     if key is None:
         return wrapped(*args, **kwargs)
-    store, key = key
+    store, number, rank = key
     try:
         result = wrapped(*args, **kwargs)
     except BaseException:  # the user's error, at once (no store call that could wait on a lost store host)
         _barriers["off"] = "a barrier raised"
         raise
     try:
-        store.add(key + "/out", 1)
+        store.add(_barrier_key(number) + "/out", 1)
     except Exception as exc:
         _barriers["off"] = f"{type(exc).__name__}: {exc}"
         return result
-    number = _barriers["entered"]
     try:
-        if number > 1 and _dist.group()[2] == 0:  # every rank left barrier n-1 before it entered barrier n
+        if number > 1 and rank == 0:  # every rank left barrier n-1 before it entered barrier n
             for end in ("/in", "/out"):
                 store.delete_key(_barrier_key(number - 1) + end)
     except Exception:  # a store without delete_key: the keys stay (two small keys a barrier)
@@ -624,8 +623,8 @@ def _barrier(wrapped, instance, args, kwargs):
 
 
 def _barrier_enter(args, kwargs):
-    """``(store, key)`` after counting this rank into a blocking barrier on the default group; None for any
-    other call (asynchronous, another group, no process group of several ranks)."""
+    """``(store, the barrier's number, this rank)`` after counting this rank into a blocking barrier on the default
+    group; None for any other call (asynchronous, another group, no process group of several ranks)."""
     group = args[0] if args else kwargs.get("group")
     async_op = args[1] if len(args) > 1 else kwargs.get("async_op", False)
     if async_op:
@@ -633,15 +632,14 @@ def _barrier_enter(args, kwargs):
     found = _dist.group()
     if found is None:
         return None
-    dist = found[0]
+    dist, _, rank = found
     if group is not None and group is not dist.distributed_c10d._get_default_group():
         return None
     number = _barriers["entered"] + 1
     store = _dist.default_store(dist)
-    key = _barrier_key(number)
-    store.add(key + "/in", 1)
+    store.add(_barrier_key(number) + "/in", 1)
     _barriers["entered"] = number
-    return store, key
+    return store, number, rank
 
 
 def patch_barrier(module, patcher: Patcher) -> None:
