@@ -24,7 +24,7 @@ def test_proof(ranks):
 
 def test_without_zeroshim_zero_init_refuses_the_config(ranks):
     for rank in ranks:
-        for case in proof.acted(rank):  # (DeepSpeed < 0.17 refuses hf_precision for its fp16 and bf16 "auto")
+        for case in proof.acted(rank):  # (DeepSpeed < 0.17.1 refuses hf_precision for its fp16 and bf16 "auto")
             without = rank["without"][case]
             assert not without["ok"], case
             # "auto": DeepSpeed compares or multiplies the strings; none given: its own assertion
@@ -45,8 +45,8 @@ def test_with_zeroshim_the_model_is_the_one_numbers_give(ranks):
 
 
 def test_precision_auto_is_left_to_deepspeed_before_0_17(ranks):
-    """DeepSpeed < 0.17 reads ``"enabled": "auto"`` in fp16/bf16 as on: zero.Init would build the model in that
-    dtype, so there the config keeps DeepSpeed's error; from 0.17 "auto" is off, and it loads as the others."""
+    """DeepSpeed < 0.17.1 reads ``"enabled": "auto"`` in fp16/bf16 as on: zero.Init would build the model in that
+    dtype, so there the config keeps DeepSpeed's error; from 0.17.1 "auto" is off, and it loads as the others."""
     for rank in ranks:
         with_, without = rank["with"]["hf_precision"], rank["without"]["hf_precision"]
         if rank["precision_models"]:

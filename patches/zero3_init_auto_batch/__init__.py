@@ -43,10 +43,10 @@ Fix
     ``zero.Init`` builds is what the same config with numbers there builds, bit for bit (the values are never
     read).  Left to DeepSpeed as given: a config with elasticity enabled, a ``None`` config, concrete batch
     sizes (right or wrong: DeepSpeed's own check stays), anything that is not a dict or a JSON file, and, on
-    DeepSpeed < 0.17 (no ``runtime/precision_config.py``), a config whose ``fp16`` or ``bf16`` says
-    ``"enabled": "auto"``: those releases read that ``"auto"`` as on, so ``zero.Init`` would build the model
-    in that dtype where the Trainer may later fill it with false (0.17 and later drop ``"auto"`` to the
-    default, off).  ``MiCS_Init`` builds its own ``DeepSpeedConfig`` first and is not covered.  One INFO line
+    DeepSpeed < 0.17.1 (no ``runtime/precision_config.py``; read in the 0.17.0 and 0.17.1 sdists), a config
+    whose ``fp16`` or ``bf16`` says ``"enabled": "auto"``: those releases read that ``"auto"`` as on, so
+    ``zero.Init`` would build the model in that dtype where the Trainer may later fill it with false (0.17.1
+    and later drop ``"auto"`` to the default, off).  ``MiCS_Init`` builds its own ``DeepSpeedConfig`` first and is not covered.  One INFO line
     per job (it acts only where DeepSpeed would refuse the config).
 
 Undo
@@ -74,7 +74,7 @@ BATCH = (TRAIN, MICRO, GAS)
 #: zero.Init's frame in a traceback (not just a log line of partition_parameters.py): the same errors from
 #: deepspeed.initialize are the config's own
 INIT_FRAME = r'partition_parameters\.py", line \d+, in __init__'
-#: the precision sections whose "enabled" DeepSpeed < 0.17 reads as given ("auto" counts as on)
+#: the precision sections whose "enabled" DeepSpeed < 0.17.1 reads as given ("auto" counts as on)
 PRECISION = ("fp16", "bf16", "bfloat16")
 _where: dict = {}
 
@@ -92,7 +92,7 @@ def refused(config: dict) -> bool:
 
 
 def precision_auto(config: dict) -> bool:
-    """Whether an ``fp16``/``bf16`` section says ``"enabled": "auto"`` (DeepSpeed < 0.17 takes it as on)."""
+    """Whether an ``fp16``/``bf16`` section says ``"enabled": "auto"`` (DeepSpeed < 0.17.1 takes it as on)."""
     return any(isinstance(config.get(key), dict) and config[key].get("enabled") == AUTO for key in PRECISION)
 
 
@@ -178,7 +178,7 @@ def patch_partition_parameters(module, patcher: Patcher) -> None:
     require(names[:1] == ["self"] and "config_dict_or_path" in names and "config" in names,
             f"zero.Init.__init__ takes ({', '.join(names)}), without config_dict_or_path and config")
     positions = {key: names.index(key) - 1 for key in ("config_dict_or_path", "config")}
-    # DeepSpeed >= 0.17 reads fp16/bf16 through pydantic models that drop "auto" (off); before, "enabled": "auto"
+    # DeepSpeed >= 0.17.1 reads fp16/bf16 through pydantic models that drop "auto" (off); before, "enabled": "auto"
     # counts as on, so a config with it is left to DeepSpeed there (zero.Init would build the model in that dtype)
     import importlib.util
 

@@ -12,7 +12,7 @@ ACTED = ("hf_auto", "hf_default", "hf_two", "hf_none", "raw_path", "train_only")
 
 def acted(rank) -> tuple:
     """The cases zeroshim lets through on this DeepSpeed: ``hf_precision`` too where DeepSpeed reads ``"auto"``
-    precision flags as off (>= 0.17)."""
+    precision flags as off (>= 0.17.1)."""
     return ACTED + (("hf_precision",) if rank.get("precision_models") else ())
 
 

@@ -16,7 +16,7 @@ batch sizes: ``train_micro_batch_size_per_gpu: 1, gradient_accumulation_steps: 1
   small ``nn.Sequential``;
 * ``train_only``: ``train_batch_size: 4`` with the other two ``"auto"``: DeepSpeed derives them from 4;
 * ``hf_precision``: as ``hf_auto``, with ``fp16`` and ``bf16`` ``"enabled": "auto"`` too (transformers' docs'
-  ZeRO-3 config; the other cases say ``bf16`` false).  DeepSpeed < 0.17 reads such an ``"auto"`` as on, so there
+  ZeRO-3 config; the other cases say ``bf16`` false).  DeepSpeed < 0.17.1 reads such an ``"auto"`` as on, so there
   zeroshim leaves the config to DeepSpeed's error;
 * ``wrong``: numbers that do not fit (``train_batch_size`` 3, micro-batch 2, one step, 2 ranks): DeepSpeed's own
   error, with and without zeroshim (and no reference).
