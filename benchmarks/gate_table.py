@@ -165,6 +165,11 @@ REQUIREMENTS = {
     "trainer_auto_hidden_size": [],  # transformers' HfTrainerDeepSpeedConfig: no DeepSpeed target
     "zero3_init_auto_batch": [("params", "deepspeed.runtime.zero.partition_parameters", "Init.__init__",
                                ("config_dict_or_path", "config"))],
+    "zero_empty_params": [("params", "deepspeed.runtime.zero.stage_1_and_2",
+                           "DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads", ("param", "i")),
+                          ("attr", "deepspeed.utils.mixed_precision_linkage", "link_hp_params"),
+                          ("params", "deepspeed.utils.mixed_precision_linkage", "_init_lp_to_hp_mapping",
+                           ("lp_param_list", "partition_start", "partition_size", "dp_group"))],
     "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",

@@ -64,4 +64,5 @@ PATCH_MODULES = (
     "zero3_universal_load",
     "accelerate_accumulation_boundary",
     "zero3_init_auto_batch",
+    "zero_empty_params",
 )
