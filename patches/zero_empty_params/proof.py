@@ -8,16 +8,16 @@ ARGS = ()
 KEYS = ("losses", "param_sha256", "grads")
 LAYOUTS = ("trailing", "interior", "starts")
 #: (run with zeroshim, its reference without zero-sized parameters)
-PAIRS = tuple((f"{s}/{layout}/with", f"{s}/{layout}/reference") for s in ("1", "2", "bf16", "offload")
+PAIRS = tuple((f"{s}/{layout}/with", f"{s}/{layout}/reference") for s in ("1", "2", "bf16", "offload", "fp32acc")
               for layout in LAYOUTS)
 
 
 def judge(ranks):
     """Proven: without zeroshim ZeRO-1 and ZeRO-2 fail with this bug's errors (the trailing and interior layouts)
     and index the parameter after an empty one wrongly (the starts layout); with zeroshim every layout, in fp32,
-    bf16 and with offload, trains as the same layout without its empty parameters, bit for bit, losses, parameters
-    and the gradients ``safe_get_full_grad`` returns; and a model without empty parameters is the same with and
-    without zeroshim."""
+    bf16, with offload and with fp32 accumulation, trains as the same layout without its empty parameters, bit for
+    bit: losses, parameters and the gradients ``safe_get_full_grad`` returns; and a model without empty parameters
+    is the same with and without zeroshim."""
     if len(ranks) < 2 or not all(r for r in ranks):
         return "a rank wrote nothing", "a rank wrote nothing", False
     stages = ("1", "2")
@@ -30,8 +30,8 @@ def judge(ranks):
     without = ("ZeRO-1/2 failed on a trailing and an interior zero-sized parameter, and misindexed the parameters "
                "after one at a partition's start" if failed and misindexed
                else "the bug did not show (or showed otherwise)")
-    with_ = ("every layout trained as without its empty parameters, bit for bit (fp32, bf16, offload)" if fixed
-             else "a layout failed or differed from its reference") + (
+    with_ = ("every layout trained as without its empty parameters, bit for bit (fp32, bf16, offload, fp32 "
+             "accumulation)" if fixed else "a layout failed or differed from its reference") + (
         "" if harmless else "; a model without empty parameters changed")
     return without, with_, failed and misindexed and fixed and harmless
 

@@ -20,6 +20,8 @@ Runs, in one process per rank, for ZeRO stage ``s`` in 1 and 2 and each layout `
 * ``s/L/with``: the layout with zeroshim;
 * ``bf16/L/reference``, ``bf16/L/with``: ZeRO-2 in bf16;
 * ``offload/L/reference``, ``offload/L/with``: ZeRO-2 with the optimizer offloaded to the CPU;
+* ``fp32acc/L/reference``, ``fp32acc/L/with``: ZeRO-1 in bf16 with ``grad_accum_dtype`` fp32 (DeepSpeed's
+  ``BF16_Optimizer`` where the release builds it for that config, which links its partition by the same code);
 * ``s/plain/without``, ``s/plain/with``: a layout without empty parameters, without and with zeroshim.
 
 Each run records the losses, a digest of the non-empty parameters, whether every linked parameter's
@@ -65,12 +67,14 @@ def _index_ok(optimizer) -> bool:
     return True
 
 
-def train(stage, layout, empty=True, bf16=False, offload=False, probe=True) -> dict:
+def train(stage, layout, empty=True, bf16=False, offload=False, probe=True, fp32_accumulation=False) -> dict:
     sizes = [(i, n) for i, n in enumerate(LAYOUTS[layout]) if empty or n]
     model = Flat(sizes)
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     cfg = ds_config(stage, micro_batch=1, bf16=bf16, **zero)
     cfg["zero_force_ds_cpu_optimizer"] = False
+    if fp32_accumulation:
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     optimizer = torch.optim.SGD(model.parameters(), lr=2**-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     from deepspeed.utils import safe_get_full_grad
@@ -90,7 +94,7 @@ def train(stage, layout, empty=True, bf16=False, offload=False, probe=True) -> d
     for p in full:
         digest.update(p.detach().float().contiguous().numpy().tobytes())
     return {"losses": losses, "param_sha256": digest.hexdigest(), "index_ok": index_ok, "grads": grads,
-            "sums": [float(p.detach().double().sum()) for p in full]}
+            "sums": [float(p.detach().double().sum()) for p in full], "optimizer": type(engine.optimizer).__name__}
 
 
 def main():
@@ -103,6 +107,8 @@ def main():
     for layout in ("trailing", "interior", "starts"):
         results[f"bf16/{layout}/reference"] = attempt(train, 2, layout, empty=False, bf16=True)
         results[f"offload/{layout}/reference"] = attempt(train, 2, layout, empty=False, offload=True)
+        results[f"fp32acc/{layout}/reference"] = attempt(train, 1, layout, empty=False, bf16=True,
+                                                         fp32_accumulation=True)
 
     zeroshim = enable_zeroshim()
 
@@ -114,6 +120,7 @@ def main():
     for layout in ("trailing", "interior", "starts"):
         results[f"bf16/{layout}/with"] = attempt(train, 2, layout, bf16=True)
         results[f"offload/{layout}/with"] = attempt(train, 2, layout, offload=True)
+        results[f"fp32acc/{layout}/with"] = attempt(train, 1, layout, bf16=True, fp32_accumulation=True)
     results["stats"] = dict(zeroshim.stats("zero_empty_params"))
     end(out, results)
 
