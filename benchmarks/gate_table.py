@@ -170,6 +170,7 @@ REQUIREMENTS = {
                           ("attr", "deepspeed.utils.mixed_precision_linkage", "link_hp_params"),
                           ("params", "deepspeed.utils.mixed_precision_linkage", "_init_lp_to_hp_mapping",
                            ("lp_param_list", "partition_start", "partition_size", "dp_group"))],
+    "silent_overflow_skip": [("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step")],
     "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",

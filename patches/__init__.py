@@ -65,4 +65,5 @@ PATCH_MODULES = (
     "accelerate_accumulation_boundary",
     "zero3_init_auto_batch",
     "zero_empty_params",
+    "silent_overflow_skip",
 )

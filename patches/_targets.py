@@ -55,6 +55,7 @@ TARGETS = {
     'accelerate_accumulation_boundary': ('accelerate.state', 'accelerate.accelerator', 'accelerate.utils.deepspeed'),
     'zero3_init_auto_batch': ('deepspeed.runtime.zero.partition_parameters',),
     'zero_empty_params': ('deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.utils.mixed_precision_linkage'),
+    'silent_overflow_skip': ('deepspeed.runtime.zero.stage_1_and_2',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),

@@ -422,6 +422,8 @@ def test_bf16_steps_skipped_on_overflow_from_0_19_3(deepspeed, config, said):
     if said:
         assert found[0]["level"] == "warning" and f"DeepSpeed {deepspeed} skips every optimizer step" in \
             found[0]["message"] and "OVERFLOW! Skipping step" in found[0]["message"]
+        # 0.19.3-0.19.7 skip without a word (the static loss scaler's update_scale is `pass`; 0.19.8 logs)
+        assert ("without a word" in found[0]["message"]) == (deepspeed != "0.19.8"), found[0]["message"]
 
 
 @pytest.mark.parametrize("deepspeed, config, said", [

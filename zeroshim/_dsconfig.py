@@ -207,10 +207,13 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
         if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_CHECK_FROM}"):
             add("warning", f"bf16 (on, or \"auto\" where the trainer turns it on) with ZeRO stage {cfg.stage} and "
                            f"no bf16.check_grad_overflow: DeepSpeed {deepspeed} "
-                           "skips every optimizer step whose gradients hold inf or NaN, logging \"OVERFLOW! "
-                           f"Skipping step\" (its default from {BF16_OVERFLOW_CHECK_FROM}; before, the step was "
-                           "taken and the weights became NaN). A loss that overflows on every step then trains "
-                           "nothing while the run goes on (the engine's skipped_steps counts them). Write "
+                           "skips every optimizer step whose gradients hold inf or NaN (its default from "
+                           f"{BF16_OVERFLOW_CHECK_FROM}; before, the step was taken and the weights became NaN), "
+                           + ("logging \"OVERFLOW! Skipping step\"" if _versions.in_range(deepspeed, ">=0.19.8") else
+                              "without a word (0.19.8 logs \"OVERFLOW! Skipping step\"; zeroshim patch "
+                              "silent_overflow_skip says it here)")
+                           + ". A loss that overflows on every step then "
+                           "trains nothing while the run goes on (the engine's skipped_steps counts them). Write "
                            "\"check_grad_overflow\": true to keep this and silence the note, or false for the "
                            f"behaviour before {BF16_OVERFLOW_CHECK_FROM}.")
     return findings
