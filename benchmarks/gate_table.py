@@ -171,6 +171,10 @@ REQUIREMENTS = {
                           ("params", "deepspeed.utils.mixed_precision_linkage", "_init_lp_to_hp_mapping",
                            ("lp_param_list", "partition_start", "partition_size", "dp_group"))],
     "silent_overflow_skip": [("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step")],
+    "bf16_norm_assert": [("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.step"),
+                         ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.clear_hp_grads"),
+                         ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.clear_lp_grads"),
+                         ("attr", "deepspeed.runtime.bf16_optimizer", "get_global_norm_of_tensors")],
     "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",

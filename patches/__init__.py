@@ -66,4 +66,5 @@ PATCH_MODULES = (
     "zero3_init_auto_batch",
     "zero_empty_params",
     "silent_overflow_skip",
+    "bf16_norm_assert",
 )
