@@ -175,6 +175,7 @@ REQUIREMENTS = {
                          ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.clear_hp_grads"),
                          ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.clear_lp_grads"),
                          ("attr", "deepspeed.runtime.bf16_optimizer", "get_global_norm_of_tensors")],
+    "engine_getattr_recursion": [("attr", "deepspeed.runtime.engine", "DeepSpeedEngine.__getattr__")],
     "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",

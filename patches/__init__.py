@@ -67,4 +67,5 @@ PATCH_MODULES = (
     "zero_empty_params",
     "silent_overflow_skip",
     "bf16_norm_assert",
+    "engine_getattr_recursion",
 )

@@ -57,6 +57,7 @@ TARGETS = {
     'zero_empty_params': ('deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.utils.mixed_precision_linkage'),
     'silent_overflow_skip': ('deepspeed.runtime.zero.stage_1_and_2',),
     'bf16_norm_assert': ('deepspeed.runtime.bf16_optimizer',),
+    'engine_getattr_recursion': ('deepspeed.runtime.engine',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
