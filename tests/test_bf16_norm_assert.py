@@ -64,9 +64,10 @@ def test_with_zeroshim_as_the_two_step_run(ranks, reached):
 def test_adamw_takes_the_zero_step(ranks, reached):
     """With AdamW and weight decay the zero step moves the weights (0.19.8's behaviour): the run goes on."""
     for rank in ranks:
-        run = rank["adamw/zero/with"]
-        assert run["ok"], run.get("error")
-        assert run["skipped_steps"] == [0, 0, 0]
+        run, two_steps = rank["adamw/zero/with"], rank["adamw/reference"]
+        assert run["ok"] and two_steps["ok"], (run.get("error"), two_steps.get("error"))
+        assert run["skipped_steps"] == [0, 0, 0] and run["grad_norms"][1] == 0.0
+        assert run["param_sha256"] != two_steps["param_sha256"]  # the zero step moved the weights
 
 
 def test_finite_runs_left_alone(ranks):

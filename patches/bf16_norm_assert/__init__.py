@@ -11,9 +11,10 @@ Symptom
     * at a step whose gradients hold inf or NaN (the norm helpers report those as -1).
 
     ``BF16_Optimizer`` is what DeepSpeed builds for bf16 with ZeRO stage 1 and ``data_types.grad_accum_dtype``
-    fp32 (0.18.5 on; ``bf16_zero1_last_microbatch`` covers another bug of it on 0.18.5-0.18.x), for bf16 without
-    ZeRO where gradients accumulate in fp32 (DeepSpeed's default before 0.17.6, so LLaMA-Factory's ZeRO-0 config),
-    and for bf16 pipeline parallelism.
+    fp32, for bf16 without ZeRO where gradients accumulate in fp32 (DeepSpeed's default before 0.17.6, so
+    LLaMA-Factory's ZeRO-0 config), and for bf16 pipeline parallelism, on every release but 0.17.6-0.18.4 (whose
+    ``BFLOAT16`` and ``DDP_BFLOAT16`` are the same string, so they build their fp16 wrapper;
+    ``bf16_zero1_last_microbatch`` covers another bug of it on 0.18.5-0.18.x).
 
 Cause
     ``BF16_Optimizer.step`` asserts ``all_groups_norm > 0.`` before clipping.  That guards clipping from the -1
@@ -31,16 +32,19 @@ Flag
 
 Fix
     ``BF16_Optimizer.step`` is wrapped.  Where it stops at that assert (nothing has been changed yet but the
-    recorded norm) with a norm of exactly 0, the step is run again with the norm computation returning the
-    smallest positive float32 in place of 0, so the assert passes and clipping does nothing, as in 0.19.8; the
-    recorded norm is then set back to 0.  With a norm below 0 or not finite, the step is skipped as 0.19.8 does:
-    ``overflow`` set, the gradients cleared, the norm inf, and a WARNING on global rank 0 at each skip.  Every
-    other ``AssertionError`` is left as it is.  What it changes: a run that would have stopped goes on, with
+    recorded norm) with a norm of exactly 0, the step is run again with the norm computation returning 1e-12 in
+    place of 0 (its square stays above 0 in float32, where the MoE path squares the group norms), so the assert
+    passes and clipping does nothing, as from 0 in 0.19.8; the recorded norm is then set back to 0.  (The norm
+    function is swapped in the module for that call: a ``BF16_Optimizer`` stepping at the same time in another
+    thread would see 1e-12 for a zero norm too.)  With a norm below 0 or not finite, the step is skipped as 0.19.8
+    does: ``overflow`` set, the gradients cleared, the norm inf, and a WARNING on global rank 0 at each skip.
+    ``overflow`` is set to False when the optimizer is built and at every step, as 0.19.8 does (accelerate decides
+    when it wraps the optimizer whether to read it).  Every other ``AssertionError`` is left as it is.  What it changes: a run that would have stopped goes on, with
     0.19.8's numbers (the zero step taken: weight decay and momentum move the weights; the non-finite step
     skipped).  A run that never meets the assert is not touched.
 
 Undo
-    ``zeroshim.unpatch("bf16_norm_assert")`` restores ``step``.
+    ``zeroshim.unpatch("bf16_norm_assert")`` restores ``step`` and ``__init__``.
 
 Evidence
     benchmarks/RESULTS.md, ``bf16_norm_assert``.
@@ -103,8 +107,13 @@ def _step(wrapped, instance, args, kwargs):
         raise
 
 
+#: what the norm computation gives for 0 in the step run again: clipping from it does nothing (as from 0), and
+#: its square (the MoE path combines squared group norms in float32) is not 0
+STAND_IN = 1e-12
+
+
 def _step_at_zero(wrapped, instance, args, kwargs):
-    """Run the step again with the norm computation giving the smallest positive float32 for 0."""
+    """Run the step again with the norm computation giving :data:`STAND_IN` for 0."""
     import torch
 
     module = sys.modules[MODULE]
@@ -113,8 +122,8 @@ def _step_at_zero(wrapped, instance, args, kwargs):
     def at_least_tiny(*a, **k):
         norm = original(*a, **k)
         if torch.is_tensor(norm):
-            return torch.where(norm == 0, torch.full_like(norm, torch.finfo(torch.float32).tiny), norm)
-        return norm if norm != 0 else torch.finfo(torch.float32).tiny
+            return torch.where(norm == 0, torch.full_like(norm, STAND_IN), norm)
+        return norm if norm != 0 else STAND_IN
 
     setattr(module, NORM_FUNCTION, at_least_tiny)
     try:
@@ -148,13 +157,24 @@ def _skip(instance, norm: float):
     return None
 
 
+def _init(wrapped, instance, args, kwargs):
+    """Wraps ``BF16_Optimizer.__init__``: ``overflow`` exists from the start, as in 0.19.8."""
+    result = wrapped(*args, **kwargs)
+    with guard(NAME):
+        if is_active(NAME) and not hasattr(instance, "overflow"):
+            instance.overflow = False
+    return result
+
+
 def patch_bf16_optimizer(module, patcher: Patcher) -> None:
     cls = require_attr(module, "BF16_Optimizer")
     require_attr(cls, "step")
+    require_attr(cls, "__init__")
     require_attr(cls, "clear_hp_grads")
     require_attr(cls, "clear_lp_grads")
     require_attr(module, NORM_FUNCTION)
     patcher.wrap(cls, "step", _step)
+    patcher.wrap(cls, "__init__", _init)
 
 
 PATCH = Patch(

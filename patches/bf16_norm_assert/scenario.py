@@ -8,8 +8,8 @@ Runs, in one process per rank:
 * ``inf/without``, ``inf/with``: the second step's input inf on every rank (the norm is not finite);
 * ``reference``: the first and third steps only (what taking a zero step and skipping a non-finite one leave);
 * ``clean/without``, ``clean/with``: three finite steps;
-* ``adamw/zero/with``: the zero case with AdamW and weight decay (recorded: 0.19.8 takes that step, so the weights
-  move by the decay).
+* ``adamw/zero/with``, ``adamw/reference``: the zero case with AdamW and weight decay, and AdamW's first and third
+  steps only (0.19.8 takes the zero step, so the weights move by the decay and the momentum: the two differ).
 
 Each run records the optimizer's class, the losses of the first and last step, the gradient norm reported after
 each step, the engine's ``skipped_steps`` and a digest of the parameters.
@@ -60,6 +60,7 @@ def main():
     results["inf/with"] = attempt(train, "inf")
     results["clean/with"] = attempt(train, "clean")
     results["adamw/zero/with"] = attempt(train, "zero", adamw=True)
+    results["adamw/reference"] = attempt(train, "clean", steps=(0, 2), adamw=True)
     results["stats"] = dict(zeroshim.stats("bf16_norm_assert"))
     end(out, results)
 

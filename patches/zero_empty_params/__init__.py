@@ -22,7 +22,9 @@ Cause
     partition does, so it is in none.  ``mixed_precision_linkage._init_lp_to_hp_mapping`` takes a parameter into
     a partition where ``current_offset < partition_end and lp_param_end > partition_start``: a zero-sized one
     strictly inside is taken and given an empty fragment (which ``get_hp_fragment_mapping`` refuses), one at a
-    partition's start is left out of the indices that ``get_partition_info`` counts.  DeepSpeed 0.19.6 (#8280 and
+    partition's start is left out of the indices that ``get_partition_info`` counts.  ``BF16_Optimizer`` (bf16
+    with fp32 gradient accumulation) links its partition by the same function, so it fails the same way at
+    ``initialize``.  DeepSpeed 0.19.6 (#8280 and
     the linkage fix for #8297) skips zero-sized parameters in the reduction, gives every parameter of the partition
     its index by ``get_partition_info``'s rule and links no fragment for an empty one.
 
@@ -35,22 +37,28 @@ Flag
     ``ZEROSHIM_ZERO_EMPTY_PARAMS=auto|on|off`` (default ``auto``).
 
 Fix
-    Two wrappers, as 0.19.6.  ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads`` returns
+    Wrappers, as 0.19.6.  ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads`` returns
     at once for a zero-sized parameter (it has nothing to reduce; no collective is added or removed).  After
-    ``_init_lp_to_hp_mapping`` returns, where its parameter list holds a zero-sized parameter, every parameter's
-    ``_index_in_param_group`` is set by the partition rule and zero-sized parameters are dropped from the fragments
-    to link.  A model without zero-sized parameters is left as it is: its mapping is the same by construction.
-    What it changes: the errors above go, and ``safe_get_full_grad``/``safe_set_full_grad`` address the right
-    parameter; the training of a run that trained is the same (said once per job at INFO).
+    ``_init_lp_to_hp_mapping`` returns, where its parameter list holds a zero-sized parameter, zero-sized
+    parameters are dropped from the fragments to link and, under ``DeepSpeedZeroOptimizer`` (whose gradient lists
+    follow the partition), every parameter's ``_index_in_param_group`` is set by the partition rule.
+    ``BF16_Optimizer``'s indices are left as DeepSpeed sets them: its gradient list holds every parameter of the
+    group, which no partition index matches before 0.19.8 (``safe_get_full_grad`` reads ``param.grad`` there
+    while it is set).  A model without zero-sized parameters is left as it is: its mapping is the same by
+    construction.  What it changes: the errors above go, and under ZeRO-1/2's optimizer
+    ``safe_get_full_grad``/``safe_set_full_grad`` address the right parameter; the training of a run that trained
+    is the same (said once per job at INFO).
 
 Undo
-    ``zeroshim.unpatch("zero_empty_params")`` restores both functions.
+    ``zeroshim.unpatch("zero_empty_params")`` restores the three functions.
 
 Evidence
     benchmarks/RESULTS.md, ``zero_empty_params``.
 """
 
 from __future__ import annotations
+
+import threading
 
 from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
@@ -68,15 +76,37 @@ def _said(what: str) -> None:
                "with no elements under ZeRO-1/2", what, _versions.shown("deepspeed"))
 
 
-def _reduce(wrapped, instance, args, kwargs):
-    """Wraps ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads(param, i)``."""
+def _skip(param) -> bool:
+    """Is ``param`` zero-sized, with the patch on (then said once, and counted)?"""
     with guard(NAME):
-        param = args[0] if args else kwargs.get("param")
-        if is_active(NAME) and getattr(param, "numel", None) is not None and param.numel() == 0:
+        if param.numel() == 0 and is_active(NAME):
             stats["skipped"] += 1
             _said("left zero-sized parameters out of the gradient reduction")
-            return None
+            return True
+    return False
+
+
+def _reduce(wrapped, instance, args, kwargs):
+    """Wraps ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads(param, i)`` where that
+    method is not a plain function of the class (:func:`_reduce_replacement` otherwise)."""
+    param = args[0] if args else kwargs.get("param")
+    if getattr(param, "numel", None) is not None and _skip(param):
+        return None
     return wrapped(*args, **kwargs)
+
+
+def _reduce_replacement(original):
+    """The same as a plain function (``Patcher.wrap_hot``): DeepSpeed calls it once per parameter per backward."""
+    from zeroshim import _timing
+
+    call = _timing.original(original)  # benchmark mode: DeepSpeed's time is not zeroshim's
+
+    def reduce_independent_p_g_buckets_and_remove_grads(self, param, *args, **kwargs):
+        if not param.numel() and _skip(param):
+            return None
+        return call(self, param, *args, **kwargs)
+
+    return reduce_independent_p_g_buckets_and_remove_grads
 
 
 def partition_indices(params, partition_start: int, partition_size: int) -> "dict[int, int]":
@@ -93,6 +123,20 @@ def partition_indices(params, partition_start: int, partition_size: int) -> "dic
     return out
 
 
+#: set while ``DeepSpeedZeroOptimizer._link_all_hp_params`` runs in this thread: its gradient lists follow the
+#: partition (``BF16_Optimizer``'s hold every parameter of the group, so its indices are left as DeepSpeed sets them)
+_zero_linking = threading.local()
+
+
+def _link_all(wrapped, instance, args, kwargs):
+    """Wraps ``DeepSpeedZeroOptimizer._link_all_hp_params()``."""
+    _zero_linking.on = True
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _zero_linking.on = False
+
+
 def _link(wrapped, instance, args, kwargs):
     """Wraps ``_init_lp_to_hp_mapping(lp_param_list, partition_start, partition_size, dp_group)``: its result is
     the list of ``(parameter, offset)`` to link; it sets each parameter's ``_index_in_param_group``."""
@@ -104,9 +148,11 @@ def _link(wrapped, instance, args, kwargs):
         params = list(bound["lp_param_list"])
         if not any(p.numel() == 0 for p in params):
             return linked
-        for position, index in partition_indices(params, bound["partition_start"], bound["partition_size"]).items():
-            params[position]._index_in_param_group = index
         fixed = [(p, offset) for p, offset in linked if p.numel() > 0]
+        if getattr(_zero_linking, "on", False):
+            for position, index in partition_indices(params, bound["partition_start"],
+                                                     bound["partition_size"]).items():
+                params[position]._index_in_param_group = index
         stats["relinked"] += 1
         _said("linked ZeRO's partitions without fragments for zero-sized parameters, and indexed them as the "
               "partition does")
@@ -117,7 +163,9 @@ def _link(wrapped, instance, args, kwargs):
 def patch_stage_1_and_2(module, patcher: Patcher) -> None:
     cls = require_attr(module, "DeepSpeedZeroOptimizer")
     require_params(cls.reduce_independent_p_g_buckets_and_remove_grads, "param", "i")
-    patcher.wrap(cls, "reduce_independent_p_g_buckets_and_remove_grads", _reduce)
+    require_attr(cls, "_link_all_hp_params")
+    patcher.wrap_hot(cls, "reduce_independent_p_g_buckets_and_remove_grads", _reduce, _reduce_replacement)
+    patcher.wrap(cls, "_link_all_hp_params", _link_all)
 
 
 def patch_linkage(module, patcher: Patcher) -> None:

@@ -52,7 +52,8 @@ class Flat(nn.Module):
         super().__init__()
         self.ps = nn.ParameterList(nn.Parameter(torch.arange(n, dtype=torch.float32) / 8 + i) for i, n in sizes)
         for i, n in sizes:
-            self.register_buffer(f"w{i}", (torch.arange(n, dtype=torch.float32) % 4 - 1.5) / 2)
+            # weights that differ by place: parameters of one size get different gradients (a mix-up shows)
+            self.register_buffer(f"w{i}", (torch.arange(n, dtype=torch.float32) % 4 - 1.5) / 2 + i / 4)
         self.places = [i for i, _ in sizes]
 
     def forward(self, x):
