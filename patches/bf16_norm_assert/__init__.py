@@ -39,9 +39,9 @@ Fix
     thread would see 1e-12 for a zero norm too.)  With a norm below 0 or not finite, the step is skipped as 0.19.8
     does: ``overflow`` set, the gradients cleared, the norm inf, and a WARNING on global rank 0 at each skip.
     ``overflow`` is set to False when the optimizer is built and at every step, as 0.19.8 does (accelerate decides
-    when it wraps the optimizer whether to read it).  Every other ``AssertionError`` is left as it is.  What it changes: a run that would have stopped goes on, with
-    0.19.8's numbers (the zero step taken: weight decay and momentum move the weights; the non-finite step
-    skipped).  A run that never meets the assert is not touched.
+    when it wraps the optimizer whether to read it).  Every other ``AssertionError`` is left as it is.  What it
+    changes: a run that would have stopped goes on, with 0.19.8's numbers (the zero step taken: weight decay and
+    momentum move the weights; the non-finite step skipped).  A run that never meets the assert is not touched.
 
 Undo
     ``zeroshim.unpatch("bf16_norm_assert")`` restores ``step`` and ``__init__``.
