@@ -30,8 +30,11 @@ Fix
     ``DeepSpeedEngine.__getattr__`` is wrapped.  Where the name is one the old code would look up on the engine
     again (a class attribute, or a registered parameter, buffer or submodule: what ``dir(self)`` adds), zeroshim
     answers as 0.19.6: ``nn.Module.__getattr__`` (the registered object), else the wrapped module's attribute,
-    else ``AttributeError: 'DeepSpeedEngine' object has no attribute '<name>'``.  Every other name goes to
-    DeepSpeed's own ``__getattr__`` as before (the wrapped module's attribute, or its AttributeError).  What it
+    else ``AttributeError: 'DeepSpeedEngine' object has no attribute '<name>'`` (a direct
+    ``engine.__getattr__(name)`` call for a name the normal lookup finds keeps the old answer).  Every other name,
+    registered names that start with a digit included (``dir`` leaves them out, so the old code never recursed on
+    them; 0.19.6 returns them), goes to DeepSpeed's own ``__getattr__`` as before (the wrapped module's attribute,
+    or its AttributeError).  What it
     changes: a lookup that would have recursed until ``RecursionError`` returns the object, or raises
     ``AttributeError``.
 
@@ -63,9 +66,11 @@ def would_recurse(engine, name: str) -> bool:
     own = engine.__dict__
     if "_parameters" not in own:
         return True  # before nn.Module.__init__: dir(self) itself reads self._parameters, landing here again
+    # nn.Module.__dir__ leaves out registered names that start with a digit (nn.Sequential's "0"): the old code
+    # does not look those up again, and answers as before
     for store in ("_parameters", "_buffers", "_modules"):
         registered = own.get(store)
-        if registered is not None and name in registered:
+        if registered is not None and name in registered and not name[:1].isdigit():
             return True
     return any(name in vars(klass) for klass in type(engine).__mro__)
 
@@ -84,11 +89,17 @@ def _getattr(wrapped, instance, args, kwargs):
         stats["answered"] += 1
         _log.acted(NAME, "answered engine.%s as DeepSpeed 0.19.6 does", "DeepSpeed %s would look it up on the engine "
                    "again until RecursionError", name, _versions.shown("deepspeed"))
+    try:  # a direct engine.__getattr__(name) call for a name the normal lookup finds: the old code's answer
+        return object.__getattribute__(instance, name)
+    except AttributeError:
+        pass
     try:
         return torch.nn.Module.__getattr__(instance, name)
     except AttributeError:
         pass
     module = instance.__dict__.get("module")
+    if module is None:  # assigned through nn.Module.__setattr__: registered only (0.19.6 looks there too)
+        module = (instance.__dict__.get("_modules") or {}).get("module")
     if module is not None:
         try:
             return getattr(module, name)
