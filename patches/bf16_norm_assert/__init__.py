@@ -52,7 +52,6 @@ Evidence
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
@@ -150,10 +149,10 @@ def _skip(instance, norm: float):
         stats["skipped"] += 1
         _log.acted(NAME, "skipped bf16 optimizer steps whose gradient norm is not finite, as DeepSpeed 0.19.8 does",
                    "DeepSpeed %s stops there with a bare AssertionError", _versions.shown("deepspeed"))
-        if _log.global_rank() == 0:
-            _log.log.log(logging.WARNING, "zeroshim[%s]: skipped this optimizer step (%d so far in this process): "
-                         "the gradients hold inf or NaN (norm %s), so the weights and the learning-rate schedule "
-                         "were not updated.", NAME, stats["skipped"], norm)
+        # every rank skips the same step (the norm is over all-reduced gradients): said on global rank 0
+        _log.warning("zeroshim[%s]: skipped this optimizer step (%d so far in this process): the gradients hold inf "
+                     "or NaN (norm %s), so the weights and the learning-rate schedule were not updated.", NAME,
+                     stats["skipped"], norm, scope=_log.RANK0)
     return None
 
 

@@ -40,9 +40,7 @@ Evidence
 
 from __future__ import annotations
 
-import logging
-
-from zeroshim import _log, _versions
+from zeroshim import _flags, _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr
 from zeroshim._source import Fingerprint
@@ -61,13 +59,12 @@ def _step(wrapped, instance, args, kwargs):
             stats["said"] += 1
             if hasattr(instance, "_global_grad_norm"):
                 instance._global_grad_norm = float("inf")
-            if _log.global_rank() == 0:
-                _log.log.log(logging.WARNING, "zeroshim[%s]: DeepSpeed skipped this optimizer step (%d so far in "
-                             "this process): the gradients hold inf or NaN (%s), so the weights and the "
-                             "learning-rate schedule were not updated, and the gradient norm is reported as inf. "
-                             "DeepSpeed %s skips such steps without a word (0.19.8 says it). %s=off turns this "
-                             "off.", NAME, stats["said"], _why(instance), _versions.shown("deepspeed"),
-                             "ZEROSHIM_" + NAME.upper())
+            # every rank skips the same step (the overflow is all-reduced): said on global rank 0
+            _log.warning("zeroshim[%s]: DeepSpeed skipped this optimizer step (%d so far in this process): the "
+                         "gradients hold inf or NaN (%s), so the weights and the learning-rate schedule were not "
+                         "updated, and the gradient norm is reported as inf. DeepSpeed %s skips such steps without "
+                         "a word (0.19.8 says it). %s=off turns this off.", NAME, stats["said"], _why(instance),
+                         _versions.shown("deepspeed"), _flags.env_name(NAME), scope=_log.RANK0)
     return result
 
 

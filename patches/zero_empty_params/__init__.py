@@ -76,10 +76,10 @@ def _said(what: str) -> None:
                "with no elements under ZeRO-1/2", what, _versions.shown("deepspeed"))
 
 
-def _skip(param) -> bool:
-    """Is ``param`` zero-sized, with the patch on (then said once, and counted)?"""
+def _skips_empty() -> bool:
+    """For a zero-sized parameter: is it left out of the reduction (the patch on; then counted, said once)?"""
     with guard(NAME):
-        if param.numel() == 0 and is_active(NAME):
+        if is_active(NAME):
             stats["skipped"] += 1
             _said("left zero-sized parameters out of the gradient reduction")
             return True
@@ -90,7 +90,7 @@ def _reduce(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads(param, i)`` where that
     method is not a plain function of the class (:func:`_reduce_replacement` otherwise)."""
     param = args[0] if args else kwargs.get("param")
-    if getattr(param, "numel", None) is not None and _skip(param):
+    if not param.numel() and _skips_empty():
         return None
     return wrapped(*args, **kwargs)
 
@@ -102,7 +102,7 @@ def _reduce_replacement(original):
     call = _timing.original(original)  # benchmark mode: DeepSpeed's time is not zeroshim's
 
     def reduce_independent_p_g_buckets_and_remove_grads(self, param, *args, **kwargs):
-        if not param.numel() and _skip(param):
+        if not param.numel() and _skips_empty():
             return None
         return call(self, param, *args, **kwargs)
 
