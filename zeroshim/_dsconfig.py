@@ -205,13 +205,17 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
     if deepspeed and cfg.stage in (1, 2) and _enabled(bf16) and "check_grad_overflow" not in bf16 \
             and not _bf16_optimizer(cfg):
         if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_CHECK_FROM}"):
+            from . import _core
+
+            silent = _core.get_patch("silent_overflow_skip")  # its range says where DeepSpeed skips in silence
+            silent_here = _versions.in_range(deepspeed, silent.affects["deepspeed"])
             add("warning", f"bf16 (on, or \"auto\" where the trainer turns it on) with ZeRO stage {cfg.stage} and "
                            f"no bf16.check_grad_overflow: DeepSpeed {deepspeed} "
                            "skips every optimizer step whose gradients hold inf or NaN (its default from "
                            f"{BF16_OVERFLOW_CHECK_FROM}; before, the step was taken and the weights became NaN), "
-                           + ("logging \"OVERFLOW! Skipping step\"" if _versions.in_range(deepspeed, ">=0.19.8") else
-                              "without a word (0.19.8 logs \"OVERFLOW! Skipping step\"; zeroshim patch "
-                              "silent_overflow_skip says it here)")
+                           + ("without a word (%s does not log \"OVERFLOW! Skipping step\"; zeroshim patch "
+                              "silent_overflow_skip says it here)" % silent.versions if silent_here else
+                              "logging \"OVERFLOW! Skipping step\"")
                            + ". A loss that overflows on every step then "
                            "trains nothing while the run goes on (the engine's skipped_steps counts them). Write "
                            "\"check_grad_overflow\": true to keep this and silence the note, or false for the "

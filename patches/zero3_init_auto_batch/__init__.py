@@ -46,8 +46,8 @@ Fix
     DeepSpeed < 0.17.1 (no ``runtime/precision_config.py``; read in the 0.17.0 and 0.17.1 sdists), a config
     whose ``fp16`` or ``bf16`` says ``"enabled": "auto"``: those releases read that ``"auto"`` as on, so
     ``zero.Init`` would build the model in that dtype where the Trainer may later fill it with false (0.17.1
-    and later drop ``"auto"`` to the default, off).  ``MiCS_Init`` builds its own ``DeepSpeedConfig`` first and is not covered.  One INFO line
-    per job (it acts only where DeepSpeed would refuse the config).
+    and later drop ``"auto"`` to the default, off).  ``MiCS_Init`` builds its own ``DeepSpeedConfig`` first and
+    is not covered.  One INFO line per job (it acts only where DeepSpeed would refuse the config).
 
 Undo
     ``zeroshim.unpatch("zero3_init_auto_batch")`` restores ``zero.Init.__init__``.
