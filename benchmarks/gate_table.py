@@ -169,6 +169,8 @@ REQUIREMENTS = {
                            "DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads", ("param", "i")),
                           ("attr", "deepspeed.runtime.zero.stage_1_and_2",
                            "DeepSpeedZeroOptimizer._link_all_hp_params"),
+                          ("params", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._has_inf_or_nan",
+                           ("x",)),
                           ("attr", "deepspeed.utils.mixed_precision_linkage", "link_hp_params"),
                           ("params", "deepspeed.utils.mixed_precision_linkage", "_init_lp_to_hp_mapping",
                            ("lp_param_list", "partition_start", "partition_size", "dp_group"))],

@@ -22,7 +22,10 @@ Cause
     partition does, so it is in none.  ``mixed_precision_linkage._init_lp_to_hp_mapping`` takes a parameter into
     a partition where ``current_offset < partition_end and lp_param_end > partition_start``: a zero-sized one
     strictly inside is taken and given an empty fragment (which ``get_hp_fragment_mapping`` refuses), one at a
-    partition's start is left out of the indices that ``get_partition_info`` counts.  ``BF16_Optimizer`` (bf16
+    partition's start is left out of the indices that ``get_partition_info`` counts.  Where the gradients are
+    checked for overflow (fp16; bf16 with ``check_grad_overflow``, the default from 0.19.3), the check takes
+    ``.max()`` of each gradient of the partition, which fails on an empty one (``RuntimeError: max(): Expected
+    reduction dim to be specified for input.numel() == 0``).  ``BF16_Optimizer`` (bf16
     with fp32 gradient accumulation) links its partition by the same function, so it fails the same way at
     ``initialize``.  DeepSpeed 0.19.6 (#8280 and
     the linkage fix for #8297) skips zero-sized parameters in the reduction, gives every parameter of the partition
@@ -38,7 +41,8 @@ Flag
 
 Fix
     Wrappers, as 0.19.6.  ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads`` returns
-    at once for a zero-sized parameter (it has nothing to reduce; no collective is added or removed).  After
+    at once for a zero-sized parameter (it has nothing to reduce; no collective is added or removed), and
+    ``_has_inf_or_nan`` finds no inf or NaN in an empty gradient, as 0.19.6's ``has_inf_or_nan``.  After
     ``_init_lp_to_hp_mapping`` returns, where its parameter list holds a zero-sized parameter, zero-sized
     parameters are dropped from the fragments to link and, under ``DeepSpeedZeroOptimizer`` (whose gradient lists
     follow the partition), every parameter's ``_index_in_param_group`` is set by the partition rule.
@@ -50,7 +54,7 @@ Fix
     is the same (said once per job at INFO).
 
 Undo
-    ``zeroshim.unpatch("zero_empty_params")`` restores the three functions.
+    ``zeroshim.unpatch("zero_empty_params")`` restores the four functions.
 
 Evidence
     benchmarks/RESULTS.md, ``zero_empty_params``.
@@ -107,6 +111,19 @@ def _reduce_replacement(original):
         return call(self, param, *args, **kwargs)
 
     return reduce_independent_p_g_buckets_and_remove_grads
+
+
+def _has_inf_or_nan(wrapped, instance, args, kwargs):
+    """Wraps the static ``DeepSpeedZeroOptimizer._has_inf_or_nan(x, j=None)``: an empty gradient holds no inf or
+    NaN (0.19.6's ``has_inf_or_nan``); DeepSpeed's ``.max()`` of an empty tensor raises."""
+    x = args[0] if args else kwargs.get("x")
+    if not x.numel():
+        with guard(NAME):
+            if is_active(NAME):
+                import torch
+
+                return torch.zeros((), dtype=torch.float, device=x.device)
+    return wrapped(*args, **kwargs)
 
 
 def partition_indices(params, partition_start: int, partition_size: int) -> "dict[int, int]":
@@ -166,6 +183,8 @@ def patch_stage_1_and_2(module, patcher: Patcher) -> None:
     require_attr(cls, "_link_all_hp_params")
     patcher.wrap_hot(cls, "reduce_independent_p_g_buckets_and_remove_grads", _reduce, _reduce_replacement)
     patcher.wrap(cls, "_link_all_hp_params", _link_all)
+    require_params(cls._has_inf_or_nan, "x")
+    patcher.wrap(cls, "_has_inf_or_nan", _has_inf_or_nan)
 
 
 def patch_linkage(module, patcher: Patcher) -> None:

@@ -18,7 +18,8 @@ Runs, in one process per rank, for ZeRO stage ``s`` in 1 and 2 and each layout `
 * ``s/L/reference``: the same layout without its empty parameters (the same offsets, the same partitions);
 * ``s/L/without``: the layout, no zeroshim;
 * ``s/L/with``: the layout with zeroshim;
-* ``bf16/L/reference``, ``bf16/L/with``: ZeRO-2 in bf16;
+* ``bf16/L/reference``, ``bf16/L/with``: ZeRO-2 in bf16, with the gradient overflow check where the release has
+  it (it reads the empty gradients too);
 * ``offload/L/reference``, ``offload/L/with``: ZeRO-2 with the optimizer offloaded to the CPU;
 * ``fp32acc/L/reference``, ``fp32acc/L/with``: ZeRO-1 in bf16 with ``grad_accum_dtype`` fp32 (DeepSpeed's
   ``BF16_Optimizer`` where the release builds it for that config, which links its partition by the same code),
@@ -32,6 +33,7 @@ parameter's gradient by ``deepspeed.utils.safe_get_full_grad`` before each step.
 """
 
 import hashlib
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,8 @@ from common import attempt, begin, ds_config, enable_zeroshim, end, import_deeps
 deepspeed = import_deepspeed()
 LAYOUTS = {"trailing": (16, 16, 0), "interior": (8, 0, 16, 0, 8), "starts": (0, 16, 0, 16), "plain": (8, 16, 8)}
 STEPS = 2
+#: bf16.check_grad_overflow exists (DeepSpeed >= 0.17.1, which has runtime/precision_config.py)
+CHECKS_OVERFLOW = importlib.util.find_spec("deepspeed.runtime.precision_config") is not None
 
 
 class Flat(nn.Module):
@@ -77,6 +81,10 @@ def train(stage, layout, empty=True, bf16=False, offload=False, probe=True, fp32
     cfg["zero_force_ds_cpu_optimizer"] = False
     if fp32_accumulation:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    elif bf16 and CHECKS_OVERFLOW:
+        # the gradient overflow check (0.19.3's default, a setting from 0.17.1; fp16 always) reads every gradient
+        # of the partition, the empty ones too
+        cfg["bf16"]["check_grad_overflow"] = True
     optimizer = torch.optim.SGD(model.parameters(), lr=2**-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     from deepspeed.utils import safe_get_full_grad
