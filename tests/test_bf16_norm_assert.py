@@ -70,7 +70,9 @@ def test_adamw_takes_the_zero_step(ranks, reached):
         assert run["param_sha256"] != two_steps["param_sha256"]  # the zero step moved the weights
 
 
-def test_finite_runs_left_alone(ranks):
+def test_finite_runs_left_alone(ranks, reached):
+    if not reached:  # 0.17.6-0.18.4 build their fp16 wrapper, whose own bugs other patches fix (bf16_zero0_grads)
+        pytest.skip("this DeepSpeed does not build BF16_Optimizer for the config: the patch has nothing to touch")
     for rank in ranks:
         a, b = rank["clean/without"], rank["clean/with"]
         assert a["ok"] and b["ok"]
