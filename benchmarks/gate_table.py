@@ -181,6 +181,18 @@ REQUIREMENTS = {
                          ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.clear_lp_grads"),
                          ("attr", "deepspeed.runtime.bf16_optimizer", "get_global_norm_of_tensors")],
     "engine_getattr_recursion": [("attr", "deepspeed.runtime.engine", "DeepSpeedEngine.__getattr__")],
+    "nonfinite_grad_step": [
+        ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step"),
+        ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm"),
+        ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._update_scale"),
+        ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.get_grad_norm_direct"),
+        ("attr", "deepspeed.runtime.zero.stage_1_and_2",
+         "DeepSpeedZeroOptimizer.complete_grad_norm_calculation_for_cpu_offload"),
+        ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.state_dict"),
+        ("attr", "deepspeed.runtime.zero.stage3",
+         "DeepSpeedZeroOptimizer_Stage3._overflow_check_and_loss_scale_update"),
+        ("attr", "deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._get_norm_groups"),
+        ("attr", "deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.state_dict")],
     "accelerate_accumulation_boundary": [],  # accelerate's Accelerator and DeepSpeedEngineWrapper: no DeepSpeed target
     "zero3_mixed_dtype_gather": [
         ("params", "deepspeed.runtime.zero.partition_parameters", "Init._all_gather",

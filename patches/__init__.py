@@ -68,4 +68,5 @@ PATCH_MODULES = (
     "silent_overflow_skip",
     "bf16_norm_assert",
     "engine_getattr_recursion",
+    "nonfinite_grad_step",
 )

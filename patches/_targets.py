@@ -58,6 +58,7 @@ TARGETS = {
     'silent_overflow_skip': ('deepspeed.runtime.zero.stage_1_and_2',),
     'bf16_norm_assert': ('deepspeed.runtime.bf16_optimizer',),
     'engine_getattr_recursion': ('deepspeed.runtime.engine',),
+    'nonfinite_grad_step': ('deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.runtime.zero.stage3'),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),

@@ -29,7 +29,8 @@ Fix
     not dynamic, zeroshim logs at WARNING, on global rank 0 (every rank skips the same step), that the step was
     skipped for inf or NaN gradients, and sets the skipped step's reported gradient norm to inf, as 0.19.8 does.
     Nothing the run trains changes: the same weights, the same steps skipped.  A run without overflow is not
-    touched.
+    touched.  A skip that patch ``nonfinite_grad_step`` decided (the gradient norm not finite where DeepSpeed's
+    own check found nothing) is said by that patch, not again here.
 
 Undo
     ``zeroshim.unpatch("silent_overflow_skip")`` restores ``step``.
@@ -48,6 +49,8 @@ from zeroshim._source import Fingerprint
 NAME = "silent_overflow_skip"
 #: said: skipped steps zeroshim reported
 stats = {"said": 0}
+#: set on the optimizer by a patch that decided the skip itself (``nonfinite_grad_step``), which says it
+SKIPPED_BY = "_zeroshim_skipped_by"
 
 
 def _step(wrapped, instance, args, kwargs):
@@ -55,7 +58,8 @@ def _step(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     with guard(NAME):
         if is_active(NAME) and getattr(instance, "overflow", False) is True \
-                and not getattr(getattr(instance, "loss_scaler", None), "dynamic", False):
+                and not getattr(getattr(instance, "loss_scaler", None), "dynamic", False) \
+                and vars(instance).get(SKIPPED_BY) is None:
             stats["said"] += 1
             if hasattr(instance, "_global_grad_norm"):
                 instance._global_grad_norm = float("inf")
