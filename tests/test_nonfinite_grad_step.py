@@ -11,7 +11,7 @@ from harness import ds_before, load_proof, torchrun
 pytestmark = pytest.mark.deepspeed
 NAME = "nonfinite_grad_step"
 # written here from the tagged sources, not read from the patch's gate (tests/test_inert_gates.py compares the two):
-# DeepSpeed < 0.19.8 combines the group norms with the -1 an inf/NaN one is masked to, as 1.0, and applies the step
+# DeepSpeed < 0.19.8 combines the group norms with the -1 an inf/NaN one is masked to (squared: 1) and applies the step
 AFFECTED = ds_before("0.19.8")
 # ZeRO-1/2's CPU-offload norm returns its -1 as an int up to 0.17.0 (0.17.1: a float tensor): the norm of the
 # groups fails on it
@@ -45,7 +45,7 @@ def test_every_run_trained(ranks):
         for case in proof.SKIPPING + (proof.APPLYING,):
             for kind in ("without", "with", "reference", "clean/without", "clean/with"):
                 run = rank[f"{case}/{kind}"]
-                if kind == "without" and case == "2/fp32/offload" and OFFLOAD_INT_NORM:
+                if kind == "without" and case == "2/fp32/offload" and OFFLOAD_INT_NORM:  # ZeRO-1/2's helper
                     assert not run["ok"] and proof.INT_NORM in run["error"], run
                     continue
                 assert run["ok"], (case, kind, run.get("error"))
@@ -67,12 +67,22 @@ def test_skipped_as_the_two_step_run(ranks):
             if AFFECTED:
                 assert proof.applied(without), case
                 if without["ok"]:
-                    # the -1 of the NaN group, squared; nan where the mask lets NaN through (0.14.1)
+                    # the -1 of each NaN group, squared and summed; nan where the mask lets NaN through (0.14.1)
                     norm = without["grad_norms"][1]
-                    assert math.isnan(norm) if NAN_NORM else norm == 1.0, case
+                    assert math.isnan(norm) if NAN_NORM else math.isclose(norm, proof.LAUNDERED, rel_tol=1e-6), case
             else:
                 assert (without["param_sha256"], without["skipped_steps"]) == \
                     (reference["param_sha256"], [0, 1, 1]), case
+
+
+def test_unpatch_after_a_skip(ranks):
+    """``zeroshim.unpatch`` right after a skipped step: the later steps train (DeepSpeed < 0.19.8 never resets
+    ``overflow`` outside fp16: left True, every later step would be skipped)."""
+    for rank in ranks:
+        unpatched, with_ = rank["1/fp32/unpatched"], rank["1/fp32/with"]
+        assert unpatched["ok"], unpatched.get("error")
+        assert (unpatched["param_sha256"], unpatched["skipped_steps"], unpatched["grad_norms"]) == \
+            (with_["param_sha256"], with_["skipped_steps"], with_["grad_norms"])
 
 
 def test_unchecked_bf16_is_applied_as_without(ranks):
@@ -87,7 +97,7 @@ def test_unchecked_bf16_is_applied_as_without(ranks):
         if AFFECTED and NAN_NORM:
             assert math.isnan(without["grad_norms"][1])
         else:
-            assert without["grad_norms"][1] == (1.0 if AFFECTED else math.inf)
+            assert math.isclose(without["grad_norms"][1], proof.LAUNDERED if AFFECTED else math.inf, rel_tol=1e-6)
 
 
 def test_finite_runs_unchanged(ranks):
@@ -105,8 +115,9 @@ def test_status_and_what_is_said(launched, ranks):
         # written: the NaN step, and the third, whose gradients the weights it wrote make NaN
         expected = {"skipped": len(proof.SKIPPING), "written": 2} if AFFECTED else {"skipped": 0, "written": 0}
         assert rank["stats"] == expected
-    # each skip said once, on global rank 0; the unchecked bf16 step once
-    assert log.count(proof.SAID) == (len(proof.SKIPPING) if AFFECTED else 0), log[-3000:]
+    # each skip said once, on global rank 0 (and the unpatched run's, before the unpatch); the unchecked bf16 step
+    # once
+    assert log.count(proof.SAID) == (len(proof.SKIPPING) + 1 if AFFECTED else 0), log[-3000:]
     assert log.count(proof.SAID_WRITTEN) == (1 if AFFECTED else 0), log[-3000:]
     if AFFECTED:  # a skip this patch decided is not said again by silent_overflow_skip
         assert "zeroshim[silent_overflow_skip]" not in log

@@ -6,10 +6,11 @@ Symptom
     run's usefulness without a word.  Under ZeRO stage 3 in bf16 or fp32, and stage 1 or 2 in fp32, DeepSpeed applies
     that step: the weights (and Adam's moments) become NaN or inf, every later loss is nan, and the gradient norm
     DeepSpeed reports for the step (``engine.get_global_grad_norm()``, the HF Trainer's ``grad_norm``) is 1.0, a
-    healthy-looking number (the square root of the number of parameter groups with several; nan on 0.14.1, whose
+    healthy-looking number (with several parameter groups, the L2 norm of the others and 1; nan on 0.14.1, whose
     mask keeps a NaN).  Nothing is logged and ``skipped_steps`` stays 0.  With the optimizer offloaded to the CPU,
-    ZeRO-1/2 on DeepSpeed <= 0.17.0 stops instead: its offload norm returns the -1 as an int, and the L2 norm of
-    the groups fails ("linalg.vector_norm: Expected a floating point or complex tensor as input").  Under stage 1 or 2 in bf16 without ``bf16.check_grad_overflow`` (DeepSpeed's
+    ZeRO-1/2 on DeepSpeed 0.14.1-0.17.0 stops instead where every group's norm is invalid (one group: the usual
+    case): its offload norm returns the -1 as an int, and the L2 norm of the groups fails ("linalg.vector_norm:
+    Expected a floating point or complex tensor as input").  Under stage 1 or 2 in bf16 without ``bf16.check_grad_overflow`` (DeepSpeed's
     default before 0.19.3; the setting exists from 0.17.1) the step is applied in 0.19.8 too, but reported there as
     inf.  fp16 checks its gradients for overflow itself: not affected.
 
@@ -41,14 +42,22 @@ Fix
     overflow; where the norm itself fails on the offload helper's integer -1, the step is skipped the same way).
     Every rank takes the same decision: the norm is all-reduced.  Where 0.19.8 applies the step too
     (bf16 ZeRO-1/2 without the overflow check), the run trains as without zeroshim; the norm is reported as inf
-    and a WARNING, once, says the weights now hold inf or NaN and names the setting that skips such steps.
+    and a WARNING, once, says the weights now hold inf or NaN and names the setting that skips such steps (0.19.8
+    clips that step by the inf norm, which zeroes its finite entries; here DeepSpeed clips it as it would have:
+    the weights hold NaN either way).
     ``overflow`` is reset at each step's start, as in 0.19.8 (DeepSpeed < 0.19.8 never set it outside fp16 and the
     bf16 check), and a checkpoint saved right after a skipped step stores it as False, so that a resume without
-    zeroshim does not skip every step.  Not touched: fp16 (its own overflow check and loss scale), a step run
-    through torch's ``GradScaler`` (``torch_autocast``), ``BF16_Optimizer`` (patch ``bf16_norm_assert``).
+    zeroshim does not skip every step; ``zeroshim.unpatch`` puts ``overflow`` right on an optimizer whose last step
+    it skipped.  Not touched: fp16 (its own overflow check and loss scale; 0.19.8 also skips an fp16 step whose
+    norm alone is invalid, which its overflow check leaves practically unreachable), a step run through torch's
+    ``GradScaler`` (``torch_autocast``), ``zero_optimization.compute_grad_norm`` false (0.19.7: no norm, and 0.19.8
+    tests none), ZenFlow's ZeRO-1/2 optimizer (its own ``step``; 0.19.8 skips there too: not covered),
+    ``BF16_Optimizer`` (patch ``bf16_norm_assert``), and bf16 without ZeRO on 0.17.6-0.18.5 (DeepSpeed's fp16
+    wrappers, which 0.19.8 also changed: not covered).
 
 Undo
-    ``zeroshim.unpatch("nonfinite_grad_step")`` restores the methods.
+    ``zeroshim.unpatch("nonfinite_grad_step")`` restores the methods, and resets ``overflow`` on an optimizer whose
+    last step it skipped.
 
 Evidence
     benchmarks/RESULTS.md, ``nonfinite_grad_step``.
@@ -57,6 +66,7 @@ Evidence
 from __future__ import annotations
 
 import math
+import weakref
 
 from zeroshim import _flags, _log, _versions
 from zeroshim._core import Patch, is_active
@@ -68,6 +78,8 @@ NAME = "nonfinite_grad_step"
 stats = {"skipped": 0, "written": 0}
 STAGE_1_AND_2 = "deepspeed.runtime.zero.stage_1_and_2"
 STAGE_3 = "deepspeed.runtime.zero.stage3"
+#: the L2 norm of the groups failing on the offload helper's integer -1 (DeepSpeed 0.14.1-0.17.0)
+INT_NORM = "Expected a floating point or complex tensor"
 #: on the optimizer: the patch that decided its last skip (patch ``silent_overflow_skip`` leaves that one unsaid)
 SKIPPED_BY = "_zeroshim_skipped_by"
 #: on the optimizer during a step: the :class:`_Plan`
@@ -77,13 +89,15 @@ PLAN = "_zeroshim_nonfinite_plan"
 class _Plan:
     """What one step does: ``norm`` the step's own norm (ZeRO-1/2: the combined one; ZeRO-3: the group list),
     ``pending`` until the step has used it; ``seen`` the group norms collected while it was computed; ``skip``
-    where the norm is not finite and 0.19.8 skips; ``written`` where it is not finite and the step is applied."""
+    where the norm is not finite and 0.19.8 skips; ``written`` where it is not finite and the step is applied;
+    ``ours`` where this patch made the step skip."""
 
-    __slots__ = ("norm", "pending", "seen", "skip", "written", "ours")
+    __slots__ = ("norm", "pending", "seen", "skip", "written", "ours", "reported")
 
     def __init__(self):
         self.norm, self.pending, self.seen = None, False, []
         self.skip = self.written = self.ours = False
+        self.reported = "?"  # what DeepSpeed would have reported as the step's norm (or how it would have failed)
 
 
 def invalid(norms) -> bool:
@@ -110,6 +124,19 @@ def acts_on(optimizer) -> bool:
         and getattr(optimizer, "torch_autocast_gradscaler", None) is None
 
 
+#: optimizers whose last step this patch skipped (``overflow`` still True): put right at :func:`_undo`
+_pending = weakref.WeakSet()
+
+
+def _undo() -> None:
+    """``zeroshim.unpatch``: an optimizer whose last step this patch skipped keeps ``overflow`` True, which
+    DeepSpeed < 0.19.8 never resets outside fp16 (and the bf16 check): every later step would be skipped."""
+    for optimizer in list(_pending):
+        if vars(optimizer).pop(SKIPPED_BY, None) == NAME:
+            optimizer.overflow = False
+    _pending.clear()
+
+
 def _begin(optimizer) -> bool:
     """At a step's start: reset ``overflow`` (as 0.19.8); whether the patch acts on this step."""
     active = False
@@ -118,6 +145,7 @@ def _begin(optimizer) -> bool:
         optimizer.__dict__.pop(PLAN, None)
         if optimizer.__dict__.pop(SKIPPED_BY, None) is not None or active:
             optimizer.overflow = False
+        _pending.discard(optimizer)
     return active
 
 
@@ -125,7 +153,9 @@ def _begin(optimizer) -> bool:
 
 def _step12(wrapped, instance, args, kwargs):
     """Wraps ``DeepSpeedZeroOptimizer.step()``: the norm first, then the step with it."""
-    if not _begin(instance):
+    # zero_optimization.compute_grad_norm false (0.19.7): the step computes no norm, and 0.19.8 neither tests nor
+    # skips: left as it is
+    if not _begin(instance) or getattr(instance, "compute_grad_norm", True) is False:
         return wrapped(*args, **kwargs)
     plan = _Plan()
     instance.__dict__[PLAN] = plan
@@ -135,29 +165,30 @@ def _step12(wrapped, instance, args, kwargs):
         try:
             plan.norm = instance.scaled_global_norm()
             plan.pending = True
-        except RuntimeError:
-            # DeepSpeed <= 0.17.0's CPU-offload helper returns its -1 as an int, and the L2 norm of the groups
-            # then fails on an integer tensor (the same on every rank: the group norms are all-reduced).  Where
-            # every group's norm was computed and one is invalid, the step is skipped as 0.19.8 skips it; anything
-            # else is DeepSpeed's error.
+        except RuntimeError as error:
+            # DeepSpeed 0.14.1-0.17.0's CPU-offload helper returns its -1 as an int, and where every group's norm
+            # is that int the L2 norm of the groups fails on an integer tensor (the same on every rank: the group
+            # norms are all-reduced).  Where every group's norm was computed and one is invalid, the step is
+            # skipped as 0.19.8 skips it; anything else is DeepSpeed's error.
             recognised = False
             with guard(NAME):
-                recognised = len(plan.seen) == len(instance.bit16_groups) and _skips(instance) \
-                    and invalid(plan.seen)
+                recognised = INT_NORM in str(error) and len(plan.seen) == len(instance.bit16_groups) \
+                    and _skips(instance) and invalid(plan.seen)
             if not recognised:
                 raise
-            plan.skip = True
+            plan.skip, plan.reported = True, "a RuntimeError (the norm of an integer -1)"
         with guard(NAME):
             if plan.pending and invalid([plan.norm, *plan.seen]):
                 plan.skip, plan.written = _skips(instance), not _skips(instance)
+                plan.reported = _shown(plan.norm)
         result = wrapped(*args, **kwargs)
     finally:
         instance.__dict__.pop(PLAN, None)
     with guard(NAME):
         if plan.ours:
-            _skipped(instance)
+            _skipped(instance, plan)
         elif plan.written:
-            _written(instance)
+            _written(instance, plan)
     return result
 
 
@@ -198,6 +229,7 @@ def _update_scale12(wrapped, instance, args, kwargs):
             if not has_overflow:
                 instance.overflow = True
                 instance.__dict__[SKIPPED_BY] = NAME  # before the step returns (other wrappers of it read it)
+                _pending.add(instance)
                 plan.ours = True
                 args, kwargs = (True,), {}
     return wrapped(*args, **kwargs)
@@ -217,8 +249,10 @@ def _overflow_check3(wrapped, instance, args, kwargs):
         plan.pending = True
         with guard(NAME):
             if invalid(list(plan.norm)):
+                plan.reported = _shown(_l2(plan.norm))
                 instance.overflow = True  # its fp16-only check leaves it alone: _update_scale and the clean-up follow
                 instance.__dict__[SKIPPED_BY] = NAME
+                _pending.add(instance)
                 plan.skip = plan.ours = True
                 plan.pending = False
         overflow = wrapped(*args, **kwargs)
@@ -229,7 +263,7 @@ def _overflow_check3(wrapped, instance, args, kwargs):
         instance.__dict__.pop(PLAN, None)
     with guard(NAME):
         if plan.ours and overflow:
-            _skipped(instance)
+            _skipped(instance, plan)
     return overflow
 
 
@@ -255,21 +289,37 @@ def _state_dict(wrapped, instance, args, kwargs):
     return state
 
 
-def _skipped(optimizer) -> None:
+def _l2(norms):
+    """The groups' L2 norm as DeepSpeed < 0.19.8 takes it (the -1 squared to 1)."""
+    import torch
+
+    return torch.linalg.vector_norm(torch.stack([torch.as_tensor(n, dtype=torch.float).reshape(()).cpu()
+                                                 for n in norms]))
+
+
+def _shown(norm) -> str:
+    try:
+        return "%.6g" % float(norm)
+    except (TypeError, ValueError, RuntimeError):
+        return "?"
+
+
+def _skipped(optimizer, plan) -> None:
     optimizer._global_grad_norm = float("inf")
     stats["skipped"] += 1
     _log.acted(NAME, "skipped optimizer steps whose gradient norm is not finite, as DeepSpeed 0.19.8 does",
-               "DeepSpeed %s applies them, writing inf or NaN into the weights, and reports the norm as 1.0",
-               _versions.shown("deepspeed"))
+               "DeepSpeed %s applies them, writing inf or NaN into the weights, and reports a finite norm (the -1 "
+               "it masks an invalid group norm to, squared)", _versions.shown("deepspeed"))
     # every rank skips the same step (the norm is all-reduced): said on global rank 0
     _log.warning("zeroshim[%s]: skipped this optimizer step (%d so far in this process): the gradients hold inf or "
                  "NaN (the gradient norm is not finite), so the weights and the learning-rate schedule were not "
-                 "updated, and the norm is reported as inf. DeepSpeed %s would have applied it, writing them into "
-                 "the weights, and reported the norm as 1.0 (0.19.8 skips such steps). %s=off turns this off.",
-                 NAME, stats["skipped"], _versions.shown("deepspeed"), _flags.env_name(NAME), scope=_log.RANK0)
+                 "updated, and the norm is reported as inf. Without zeroshim DeepSpeed %s would have applied it, "
+                 "writing them into the weights, with the norm reported as %s (0.19.8 skips such steps). %s=off "
+                 "turns this off.", NAME, stats["skipped"], _versions.shown("deepspeed"), plan.reported,
+                 _flags.env_name(NAME), scope=_log.RANK0)
 
 
-def _written(optimizer) -> None:
+def _written(optimizer, plan) -> None:
     optimizer._global_grad_norm = float("inf")
     stats["written"] += 1
     ds = _versions.shown("deepspeed")
@@ -278,8 +328,8 @@ def _written(optimizer) -> None:
               'DeepSpeed >= 0.17.1 with "bf16": {"check_grad_overflow": true} (its default from 0.19.3)')
     _log.warning("zeroshim[%s]: this optimizer step was applied with gradients that hold inf or NaN: bf16 ZeRO-1/2 "
                  "does not check them without bf16.check_grad_overflow, so the weights now hold inf or NaN. The "
-                 "norm is reported as inf (DeepSpeed %s reports 1.0). To skip such steps instead: %s. Said once; "
-                 "later such steps are counted in zeroshim.stats(%r).", NAME, ds, remedy, NAME,
+                 "norm is reported as inf (DeepSpeed %s reports %s). To skip such steps instead: %s. Said once; "
+                 "later such steps are counted in zeroshim.stats(%r).", NAME, ds, plan.reported, remedy, NAME,
                  scope=_log.RANK0, once=(NAME, "written"))
 
 
@@ -311,6 +361,7 @@ PATCH = Patch(
     # ranks that skip by different rules would update their partitions differently (or wait in the step's
     # all-gather for a rank that skipped): a split stops the run
     on_disagreement="stop",
+    on_undo=_undo,
     name=NAME,
     summary="ZeRO-3 in bf16 or fp32, and ZeRO-1/2 in fp32, apply a step whose gradients hold inf or NaN: the "
             "weights become NaN, nothing is skipped or said, and the gradient norm is reported as 1.0 (nan on "
