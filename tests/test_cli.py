@@ -397,7 +397,9 @@ def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
     ("0.19.3", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, True),
     ("0.19.8", {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}}, True),
     ("0.19.8", {"bfloat16": {"enabled": "true"}, "zero_optimization": {"stage": "2"}}, True),
-    ("0.19.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, False),
+    ("0.19.2", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, True),
+    ("0.16.9", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, True),
+    ("0.19.2", {"bf16": {"enabled": True, "check_grad_overflow": False}, "zero_optimization": {"stage": 2}}, False),
     ("0.19.8", {"bf16": {"enabled": True, "check_grad_overflow": True}, "zero_optimization": {"stage": 2}}, False),
     ("0.19.8", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, False),
     ("0.19.8", {"bf16": {"enabled": 1}, "zero_optimization": {"stage": 2}}, True),
@@ -413,13 +415,22 @@ def test_a_launch_past_its_timeout_takes_its_ranks_down(tmp_path):
 def test_bf16_steps_skipped_on_overflow_from_0_19_3(deepspeed, config, said):
     """#44 item 2: DeepSpeed 0.19.3 turned bf16.check_grad_overflow on by default (False in the 0.19.2 sdist, True
     in 0.19.3 and 0.19.8; ZeRO-1/2's optimizer reads it, ZeRO-3 checks fp16 only): a step with an inf gradient is
-    skipped, where 0.19.2 applied it and the weights became NaN (both run: RESULTS).  The boundary is written here."""
+    skipped, where 0.19.2 applied it and the weights became NaN (both run: RESULTS); before 0.19.3 the note says
+    so.  The boundaries are written here."""
     from zeroshim import _dsconfig
 
     found = [f for f in _dsconfig.general_findings(_dsconfig.read(config)[0], deepspeed)
              if "check_grad_overflow" in f["message"]]
     assert bool(found) == said, found
-    if said:
+    from packaging.version import Version
+
+    if said and Version(deepspeed) < Version("0.19.3"):
+        # before 0.19.3 the step is applied: the weights become NaN; the setting exists from 0.17.1
+        message = found[0]["message"]
+        assert found[0]["level"] == "warning" and f"DeepSpeed {deepspeed} does not check bf16 gradients" in message \
+            and "nonfinite_grad_step" in message, message
+        assert ("Write \"check_grad_overflow\": true" in message) == (Version(deepspeed) >= Version("0.17.1")), message
+    elif said:
         assert found[0]["level"] == "warning" and f"DeepSpeed {deepspeed} skips every optimizer step" in \
             found[0]["message"] and "OVERFLOW! Skipping step" in found[0]["message"]
         # 0.19.3-0.19.7 skip without a word (the static loss scaler's update_scale is `pass`; 0.19.8 logs)

@@ -109,6 +109,8 @@ def read(config: object) -> "tuple[Optional[DSConfig], List[dict]]":
 #: DeepSpeed's ZeRO-1/2 optimizer skips a bf16 step whose gradients hold inf or NaN by default from this release
 #: (``DeepSpeedBF16Config.check_grad_overflow``: False in the 0.19.2 sdist, True in 0.19.3 and 0.19.8; #8035)
 BF16_OVERFLOW_CHECK_FROM = "0.19.3"
+#: ``bf16.check_grad_overflow`` exists from DeepSpeed 0.17.1 (the 0.17.0 sdist has no such key)
+BF16_OVERFLOW_SETTING_FROM = "0.17.1"
 #: DeepSpeed 0.17.6 (#7515) added ``DDP_BFLOAT16`` with the value of ``BFLOAT16`` ("bf16"), so its optimizer choice
 #: (``in [FP16, DDP_BFLOAT16]`` before ``== BFLOAT16``) never builds BF16_Optimizer; 0.18.5 (#7790) renamed it
 #: ("ddp_bf16"); read at the tags v0.17.5, v0.17.6, v0.18.2, v0.18.4, v0.18.5 (runtime/constants.py)
@@ -220,4 +222,16 @@ def general_findings(cfg: DSConfig, deepspeed: "Optional[str]" = None) -> "List[
                            "trains nothing while the run goes on (the engine's skipped_steps counts them). Write "
                            "\"check_grad_overflow\": true to keep this and silence the note, or false for the "
                            f"behaviour before {BF16_OVERFLOW_CHECK_FROM}.")
+        else:
+            add("warning", f"bf16 (on, or \"auto\" where the trainer turns it on) with ZeRO stage {cfg.stage} and "
+                           f"no bf16.check_grad_overflow: DeepSpeed {deepspeed} does not check bf16 gradients for inf "
+                           f"or NaN here (the check is its default from {BF16_OVERFLOW_CHECK_FROM}), so a step whose "
+                           "gradients hold them is applied: the weights become NaN for the rest of the run, and the "
+                           "step's gradient norm is reported as a finite number (or nan). zeroshim patch "
+                           "nonfinite_grad_step reports it as inf and says so; without the check it applies the step, "
+                           "as DeepSpeed 0.19.8 does. "
+                           + ("Write \"check_grad_overflow\": true to skip such steps."
+                              if _versions.in_range(deepspeed, f">={BF16_OVERFLOW_SETTING_FROM}") else
+                              f"The setting exists from DeepSpeed {BF16_OVERFLOW_SETTING_FROM}: there "
+                              "\"check_grad_overflow\": true skips such steps."))
     return findings
