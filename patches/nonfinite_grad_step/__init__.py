@@ -72,6 +72,7 @@ from zeroshim import _flags, _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import Patcher, guard, require_attr
 from zeroshim._source import Fingerprint
+from zeroshim._timing import original_work
 
 NAME = "nonfinite_grad_step"
 #: skipped: steps skipped; written: steps applied with a non-finite norm (bf16 ZeRO-1/2 without the check)
@@ -100,14 +101,27 @@ class _Plan:
         self.reported = "?"  # what DeepSpeed would have reported as the step's norm (or how it would have failed)
 
 
+def _bad(value: float) -> bool:
+    return not math.isfinite(value) or value < 0
+
+
 def invalid(norms) -> bool:
     """DeepSpeed 0.19.8's ``is_invalid_grad_norm`` over ``norms`` (tensors or numbers): one not finite, or the
-    helpers' -1.  The tensors are tested together (one host synchronisation, as 0.19.8's test)."""
+    helpers' -1.  Numbers and one-element CPU tensors are read one by one (a torch reduction costs more: about
+    180 us a step beside the training's own ops, measured); the other tensors are tested together (one host
+    synchronisation, as 0.19.8's test)."""
     import torch
 
-    tensors = [n.detach().reshape(-1).float() for n in norms if torch.is_tensor(n)]
-    if any(not math.isfinite(float(n)) or float(n) < 0 for n in norms if not torch.is_tensor(n)):
-        return True
+    tensors = []
+    for n in norms:
+        if not torch.is_tensor(n):
+            if _bad(float(n)):
+                return True
+        elif n.device.type == "cpu" and n.numel() == 1:
+            if _bad(float(n)):
+                return True
+        else:
+            tensors.append(n.detach().reshape(-1).float())
     if not tensors:
         return False
     if len({t.device for t in tensors}) > 1:
@@ -163,7 +177,8 @@ def _step12(wrapped, instance, args, kwargs):
         # DeepSpeed's own norm (its collectives, its errors), which the step below gets back instead of computing
         # it again: nothing that runs in between touches the gradients it reads
         try:
-            plan.norm = instance.scaled_global_norm()
+            with original_work():  # DeepSpeed's norm, moved, not zeroshim's time (benchmark mode only)
+                plan.norm = instance.scaled_global_norm()
             plan.pending = True
         except RuntimeError as error:
             # DeepSpeed 0.14.1-0.17.0's CPU-offload helper returns its -1 as an int, and where every group's norm
@@ -245,7 +260,8 @@ def _overflow_check3(wrapped, instance, args, kwargs):
     plan = _Plan()
     instance.__dict__[PLAN] = plan
     try:
-        plan.norm = instance._get_norm_groups()  # DeepSpeed's own, with its collectives and errors
+        with original_work():  # DeepSpeed's own norms (moved, not zeroshim's time), its collectives and errors
+            plan.norm = instance._get_norm_groups()
         plan.pending = True
         with guard(NAME):
             if invalid(list(plan.norm)):
