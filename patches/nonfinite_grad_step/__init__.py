@@ -225,11 +225,13 @@ def _collect(wrapped, instance, args, kwargs):
     return norm
 
 
-def _scaled_global_norm(wrapped, instance, args, kwargs):
-    """Wraps ``DeepSpeedZeroOptimizer.scaled_global_norm``: the step gets the norm computed at its start."""
+def _stashed_norm(wrapped, instance, args, kwargs):
+    """Wraps ``DeepSpeedZeroOptimizer.scaled_global_norm`` and ``DeepSpeedZeroOptimizer_Stage3._get_norm_groups``:
+    the step gets back the norm computed just before (its plan is done with)."""
     plan = instance.__dict__.get(PLAN)
     if plan is not None and plan.pending and not args and not kwargs:
         plan.pending = False
+        instance.__dict__.pop(PLAN, None)
         return plan.norm
     return wrapped(*args, **kwargs)
 
@@ -281,16 +283,6 @@ def _overflow_check3(wrapped, instance, args, kwargs):
         if plan.ours and overflow:
             _skipped(instance, plan)
     return overflow
-
-
-def _get_norm_groups(wrapped, instance, args, kwargs):
-    """Wraps ``DeepSpeedZeroOptimizer_Stage3._get_norm_groups``: the step gets the norms computed just before."""
-    plan = instance.__dict__.get(PLAN)
-    if plan is not None and plan.pending and not args and not kwargs:
-        plan.pending = False
-        instance.__dict__.pop(PLAN, None)
-        return plan.norm
-    return wrapped(*args, **kwargs)
 
 
 # both ----------------------------------------------------------------------------------------------------------
@@ -355,7 +347,7 @@ def patch_stage_1_and_2(module, patcher: Patcher) -> None:
                  "complete_grad_norm_calculation_for_cpu_offload", "state_dict"):
         require_attr(cls, attr)
     patcher.wrap(cls, "step", _step12)
-    patcher.wrap(cls, "scaled_global_norm", _scaled_global_norm)
+    patcher.wrap(cls, "scaled_global_norm", _stashed_norm)
     patcher.wrap(cls, "_update_scale", _update_scale12)
     patcher.wrap(cls, "get_grad_norm_direct", _collect)
     patcher.wrap(cls, "complete_grad_norm_calculation_for_cpu_offload", _collect)
@@ -367,7 +359,7 @@ def patch_stage3(module, patcher: Patcher) -> None:
     for attr in ("_overflow_check_and_loss_scale_update", "_get_norm_groups", "state_dict"):
         require_attr(cls, attr)
     patcher.wrap(cls, "_overflow_check_and_loss_scale_update", _overflow_check3)
-    patcher.wrap(cls, "_get_norm_groups", _get_norm_groups)
+    patcher.wrap(cls, "_get_norm_groups", _stashed_norm)
     patcher.wrap(cls, "state_dict", _state_dict)
 
 
