@@ -181,6 +181,9 @@ REQUIREMENTS = {
                          ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.clear_lp_grads"),
                          ("attr", "deepspeed.runtime.bf16_optimizer", "get_global_norm_of_tensors")],
     "engine_getattr_recursion": [("attr", "deepspeed.runtime.engine", "DeepSpeedEngine.__getattr__")],
+    # each function is wrapped where it reads or writes param.grad first (the fingerprint's two parts): any one will do
+    "bf16_full_grad": [("attr", "deepspeed.utils.tensor_fragment",
+                        "safe_get_full_grad|safe_set_full_grad|safe_update_full_grad_vectorized")],
     "nonfinite_grad_step": [
         ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step"),
         ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm"),

@@ -69,4 +69,5 @@ PATCH_MODULES = (
     "bf16_norm_assert",
     "engine_getattr_recursion",
     "nonfinite_grad_step",
+    "bf16_full_grad",
 )

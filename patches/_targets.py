@@ -59,6 +59,7 @@ TARGETS = {
     'bf16_norm_assert': ('deepspeed.runtime.bf16_optimizer',),
     'engine_getattr_recursion': ('deepspeed.runtime.engine',),
     'nonfinite_grad_step': ('deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.runtime.zero.stage3'),
+    'bf16_full_grad': ('deepspeed.utils.tensor_fragment',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
