@@ -72,6 +72,9 @@ def test_runs_that_call_none_of_them_and_other_optimizers_are_left_alone(ranks):
     for rank in ranks:
         for key in ("plain", "double", "other/set"):
             a, b = rank[f"{key}/without"], rank[f"{key}/with"]
+            if key == "other/set" and not WRITES_EXIST:
+                assert a.get("absent") and b.get("absent")
+                continue
             assert (a["losses"], a["param_sha256"]) == (b["losses"], b["param_sha256"]), key
         assert rank["other/get/with"]["read"] == rank["other/get/without"]["read"]
 
