@@ -184,6 +184,8 @@ REQUIREMENTS = {
     # each function is wrapped where it reads or writes param.grad first (the fingerprint's two parts): any one will do
     "bf16_full_grad": [("attr", "deepspeed.utils.tensor_fragment",
                         "safe_get_full_grad|safe_set_full_grad|safe_update_full_grad_vectorized")],
+    "zero_cpu_unreduced_grads": [("params", "deepspeed.runtime.zero.stage_1_and_2", "split_half_float_double",
+                                  ("tensors",))],
     "nonfinite_grad_step": [
         ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step"),
         ("attr", "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm"),

@@ -70,4 +70,5 @@ PATCH_MODULES = (
     "engine_getattr_recursion",
     "nonfinite_grad_step",
     "bf16_full_grad",
+    "zero_cpu_unreduced_grads",
 )

@@ -60,6 +60,7 @@ TARGETS = {
     'engine_getattr_recursion': ('deepspeed.runtime.engine',),
     'nonfinite_grad_step': ('deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.runtime.zero.stage3'),
     'bf16_full_grad': ('deepspeed.utils.tensor_fragment',),
+    'zero_cpu_unreduced_grads': ('deepspeed.runtime.zero.stage_1_and_2',),
 }
 OPTIONAL = {
     'checkpoint_weights_only': ('deepspeed.utils.zero_to_fp32',),
