@@ -183,7 +183,10 @@ REQUIREMENTS = {
     "engine_getattr_recursion": [("attr", "deepspeed.runtime.engine", "DeepSpeedEngine.__getattr__")],
     # each function is wrapped where it reads or writes param.grad first (the fingerprint's two parts): any one will do
     "bf16_full_grad": [("attr", "deepspeed.utils.tensor_fragment",
-                        "safe_get_full_grad|safe_set_full_grad|safe_update_full_grad_vectorized")],
+                        "safe_get_full_grad|safe_set_full_grad|safe_update_full_grad_vectorized"),
+                       ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer._link_all_hp_params"),
+                       # destroy() is wrapped where it exists (0.16 and later)
+                       ("attr", "deepspeed.runtime.bf16_optimizer", "BF16_Optimizer._link_all_hp_params|destroy")],
     "zero_cpu_unreduced_grads": [("params", "deepspeed.runtime.zero.stage_1_and_2", "split_half_float_double",
                                   ("tensors",))],
     "nonfinite_grad_step": [

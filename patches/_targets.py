@@ -59,7 +59,7 @@ TARGETS = {
     'bf16_norm_assert': ('deepspeed.runtime.bf16_optimizer',),
     'engine_getattr_recursion': ('deepspeed.runtime.engine',),
     'nonfinite_grad_step': ('deepspeed.runtime.zero.stage_1_and_2', 'deepspeed.runtime.zero.stage3'),
-    'bf16_full_grad': ('deepspeed.utils.tensor_fragment',),
+    'bf16_full_grad': ('deepspeed.utils.tensor_fragment', 'deepspeed.runtime.bf16_optimizer'),
     'zero_cpu_unreduced_grads': ('deepspeed.runtime.zero.stage_1_and_2',),
 }
 OPTIONAL = {

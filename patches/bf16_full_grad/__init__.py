@@ -29,30 +29,35 @@ Affected versions
     Read from the released sdists (``deepspeed/utils/tensor_fragment.py``): reading, every release with
     ``safe_get_full_grad`` (0.8.2) before 0.19.8; writing, every release with ``safe_set_full_grad`` and
     ``safe_update_full_grad_vectorized`` (0.15.3, DeepSpeed #6590), 0.19.8 included.  Either function's
-    ``param.grad`` branch is the source fingerprint.  0.17.6-0.18.4 never build ``BF16_Optimizer`` for bf16
-    ZeRO-1 (see patch ``bf16_zero1_last_microbatch``); pipeline parallelism and bf16 without ZeRO with
-    ``grad_accum_dtype: fp32`` still use it there.
+    ``param.grad`` branch is the source fingerprint.  0.17.6-0.18.4 never build ``BF16_Optimizer`` (their
+    ``BFLOAT16`` and ``DDP_BFLOAT16`` are the same string, and the engine tests the second first: see patch
+    ``bf16_zero1_last_microbatch``), so nothing acts there.
 
 Flag
     ``ZEROSHIM_BF16_FULL_GRAD=auto|on|off`` (default ``auto``).
 
 Fix
-    The three functions are wrapped (``deepspeed.utils``'s names too; reading only where the release reads
-    ``param.grad`` first).  For a parameter that has ``_hp_grad`` (only ``BF16_Optimizer`` sets it):
+    ``BF16_Optimizer._link_all_hp_params`` (run when it is built, and at a checkpoint load) is wrapped to mark its
+    parameters as its own (a weak reference; ``destroy()`` takes the mark away).  The three functions are wrapped
+    (``deepspeed.utils``'s names too; reading only where the release reads ``param.grad`` first).  Where the
+    original would return or write ``param.grad`` (it is not None) of a parameter of a live ``BF16_Optimizer``:
 
-    * reading returns a float32 copy of it, the parameter's shape.  At the end of an accumulation (after the
-      backward that all-reduces, before ``step()``, where DeepSpeed documents the call) it is what the step uses
-      and what 0.19.8 returns, bit for bit.  Between micro-batches it is this rank's sum so far (0.19.8 returns
-      each rank's own piece of it there, stitched together);
-    * writing copies the value into it (and into ``param.grad``, as the original does), so the step uses it.
-      ``update_func`` gets the fp32 gradient, as under ZeRO's optimizers.
+    * reading returns a float32 copy of the optimizer's fp32 gradient of it, the parameter's shape.  At the end of
+      an accumulation (after the backward that all-reduces, before ``step()``, where DeepSpeed documents the call)
+      it is what the step uses and what 0.19.8 returns, bit for bit.  Between micro-batches it is this rank's sum
+      so far (0.19.8 returns each rank's own piece of it there, stitched together);
+    * writing copies the value into ``param.grad``, as the original does, then into that fp32 gradient, so the
+      step uses it.  ``update_func`` gets the fp32 gradient, as under ZeRO's optimizers; what it raises or
+      returns is the user's, as with the original.
 
-    Other parameters go to the original.  No collective is added or removed: the buffer is whole on every rank
-    (``BF16_Optimizer`` all-reduces all of it).  It changes the numbers such calls read, and the numbers of a run
-    that writes gradients: said once per job at WARNING.
+    Everything else goes to the original.  Where the original takes ``param.grad`` it runs no collective, so no
+    collective is added or removed, and the ranks decide as the original does (``param.grad`` being None or not).
+    It changes the numbers such calls read, and the numbers of a run that writes gradients: said once per job at
+    WARNING.
 
 Undo
-    ``zeroshim.unpatch("bf16_full_grad")`` restores the three functions and the names ``deepspeed.utils`` holds.
+    ``zeroshim.unpatch("bf16_full_grad")`` restores the three functions, the names ``deepspeed.utils`` holds, and
+    ``BF16_Optimizer``'s two methods (the marks left on parameters are read by nothing else).
 
 Evidence
     benchmarks/RESULTS.md, ``bf16_full_grad``.
@@ -64,7 +69,7 @@ import re
 
 from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
-from zeroshim._patcher import NotAffected, Patcher, guard
+from zeroshim._patcher import NotAffected, Patcher, guard, require_attr
 from zeroshim._source import Fingerprint, source_text
 
 NAME = "bf16_full_grad"
@@ -77,25 +82,35 @@ WRITES_STAGING = r"if (p|param)\.grad is not None:\n\s+(p|param)\.grad\.copy_\("
 stats = {"read": 0, "written": 0}
 
 
-def _hp(param):
-    """``BF16_Optimizer``'s fp32 accumulation of ``param``'s gradient (whole on every rank), or None for a
-    parameter of another optimizer (or before its first backward)."""
-    import torch
+#: set on each parameter of a live BF16_Optimizer: (weak reference to it, group index, index in the group)
+OWNER = "_zeroshim_bf16_owner"
 
-    hp = getattr(param, "_hp_grad", None)
-    return hp if isinstance(hp, torch.Tensor) and hp.numel() == param.numel() else None
+
+def _hp(param):
+    """The fp32 accumulation of ``param``'s gradient in the live ``BF16_Optimizer`` that holds it (whole on every
+    rank), where the original reads or writes ``param.grad`` (it is not None); else None, and the original runs,
+    its own collectives included.  The same decision on every rank wherever the original's is the same."""
+    entry = getattr(param, OWNER, None)
+    if entry is None or getattr(param, "grad", None) is None:
+        return None
+    optimizer = entry[0]()
+    if optimizer is None:
+        return None
+    hp = optimizer.fp32_groups_gradients[entry[1]][entry[2]]
+    return hp if hp.numel() == param.numel() else None
 
 
 def _full(param, hp):
     import torch
 
-    return hp.detach().to(torch.float32, copy=True).reshape(param.shape)
+    return hp.detach().to(torch.float32, copy=True).view(param.shape)
 
 
 def _write(param, hp, value) -> None:
-    if param.grad is not None:
-        param.grad.copy_(value)  # what the original does
-    hp.copy_(value.detach().reshape(hp.shape))
+    """As the original, into ``param.grad``, then into the fp32 gradient (broadcast as ``copy_`` does).  Its errors
+    are those the original raises for such a value (outside any guard)."""
+    param.grad.copy_(value)
+    hp.view(param.shape).copy_(value)
 
 
 def _said_read() -> None:
@@ -132,40 +147,75 @@ def _get(wrapped, instance, args, kwargs):
 
 def _set(wrapped, instance, args, kwargs):
     """Wraps ``safe_set_full_grad(param, value)``."""
-    done = False
+    hp = None
     with guard(NAME):
         param, value = _param(args, kwargs, 0, "param"), _param(args, kwargs, 1, "value")
         hp = _hp(param) if is_active(NAME) else None
-        if hp is not None:
-            _write(param, hp, value)
-            done = True
-            _said_written("safe_set_full_grad")
-    if not done:
+    if hp is None:
         return wrapped(*args, **kwargs)
+    _write(param, hp, value)
+    with guard(NAME):
+        _said_written("safe_set_full_grad")
     return None
 
 
 def _update(wrapped, instance, args, kwargs):
     """Wraps ``safe_update_full_grad_vectorized(param_list, update_func)``: ``BF16_Optimizer``'s parameters here,
-    in the list's order, the others by the original."""
+    first, the others by the original, after (as the original, which also takes the parameters with
+    ``param.grad`` first)."""
+    params = list(_param(args, kwargs, 0, "param_list"))  # read once: a generator is passed on as this list
+    update_func = _param(args, kwargs, 1, "update_func")
     mine, rest = [], []
     with guard(NAME):
-        params = list(_param(args, kwargs, 0, "param_list"))
-        update_func = _param(args, kwargs, 1, "update_func")
         if is_active(NAME):
             for p in params:
                 hp = _hp(p)
-                (rest if hp is None else mine).append(p if hp is None else (p, hp))
+                if hp is None:
+                    rest.append(p)
+                else:
+                    mine.append((p, hp))
     if not mine:
-        return wrapped(*args, **kwargs)
-    for p, hp in mine:
-        new = update_func(_full(p, hp), p)  # the user's function: outside the guard, its errors are its own
-        with guard(NAME):
-            _write(p, hp, new)
-            _said_written("safe_update_full_grad_vectorized")
+        return wrapped(params, update_func)
+    for p, hp in mine:  # the user's function and what it returns: outside any guard, their errors are the user's
+        _write(p, hp, update_func(_full(p, hp), p))
+    with guard(NAME):
+        _said_written("safe_update_full_grad_vectorized")
     if rest:
         return wrapped(rest, update_func)
     return None
+
+
+def _linked(wrapped, instance, args, kwargs):
+    """Wraps ``BF16_Optimizer._link_all_hp_params()`` (at its construction, and again at a checkpoint load): marks
+    its parameters as its own."""
+    result = wrapped(*args, **kwargs)
+    with guard(NAME):
+        import weakref
+
+        owner = weakref.ref(instance)
+        for i, group in enumerate(getattr(instance, "bf16_groups", ())):
+            for j, param in enumerate(group):
+                setattr(param, OWNER, (owner, i, j))
+    return result
+
+
+def _destroy(wrapped, instance, args, kwargs):
+    """Wraps ``BF16_Optimizer.destroy()``: its parameters are no longer its own."""
+    with guard(NAME):
+        for group in getattr(instance, "bf16_groups", ()):
+            for param in group:
+                entry = getattr(param, OWNER, None)
+                if entry is not None and entry[0]() is instance:
+                    delattr(param, OWNER)
+    return wrapped(*args, **kwargs)
+
+
+def patch_bf16_optimizer(module, patcher: Patcher) -> None:
+    cls = require_attr(module, "BF16_Optimizer")
+    require_attr(cls, "_link_all_hp_params")
+    patcher.wrap(cls, "_link_all_hp_params", _linked)
+    if callable(getattr(cls, "destroy", None)):  # (0.14.x has none: a collected optimizer's weak reference dies)
+        patcher.wrap(cls, "destroy", _destroy)
 
 
 def _uses_staging(func, pattern: str) -> bool:
@@ -204,5 +254,5 @@ PATCH = Patch(
     fingerprint=Fingerprint(MODULE, READS_STAGING + "|" + WRITES_STAGING,
                             "safe_get_full_grad / safe_set_full_grad using param.grad before BF16_Optimizer's fp32 "
                             "gradient"),
-    targets={MODULE: patch_tensor_fragment},
+    targets={MODULE: patch_tensor_fragment, "deepspeed.runtime.bf16_optimizer": patch_bf16_optimizer},
 )

@@ -11,8 +11,11 @@ KEYS = ("losses", "param_sha256")
 
 
 def reads_the_buffer(run) -> bool:
-    """``safe_get_full_grad`` returned the optimizer's own fp32 gradient, bit for bit, at every step."""
-    return run["read"] == run["buffers"] and run["read_dtypes"] == ["torch.float32"] * len(run["read_dtypes"])
+    """``safe_get_full_grad`` returned, as float32 and bit for bit at every step, the average over the ranks of the
+    fp32 sum of each micro-batch's gradient (recorded independently, by hooks), which is also the optimizer's own
+    fp32 gradient (what the step uses)."""
+    return run["read"] == run["expected"] == run["buffers"] and \
+        run["read_dtypes"] == ["torch.float32"] * len(run["read_dtypes"])
 
 
 def parts(rank) -> dict:
@@ -37,7 +40,7 @@ def judge(ranks):
     gradient bit for bit, as float32; ``set``/``update`` end bit for bit where the run with the loss doubled ends),
     at least one part shows it, the parts that do not are unchanged by zeroshim, a run that calls none of them is
     the same with and without, and ZeRO-2's own optimizer (``other``) is left alone."""
-    runs = [f"{c}/{k}" for c in ("get", "set", "update", "plain", "double", "other/get", "other/set")
+    runs = [f"{c}/{k}" for c in ("get", "set", "update", "plain", "double", "other/get", "other/set", "other/update")
             for k in ("without", "with")]
     if len(ranks) < 2 or not all(r and r[k].get("ok") for r in ranks for k in runs):
         return "a run failed", "a run failed", False
@@ -47,7 +50,8 @@ def judge(ranks):
     fixed = all(v[1] if p in shown else v[2] for pr in per_rank for p, v in pr.items() if v)
     harmless = all(equal(r["plain/with"], r["plain/without"], KEYS) and equal(r["double/with"], r["double/without"], KEYS)
                    and equal(r["other/get/with"], r["other/get/without"], KEYS + ("read",))
-                   and equal(r["other/set/with"], r["other/set/without"], KEYS) for r in ranks)
+                   and equal(r["other/set/with"], r["other/set/without"], KEYS)
+                   and equal(r["other/update/with"], r["other/update/without"], KEYS) for r in ranks)
     bf16 = all(r[f"{c}/without"]["optimizer"] == "BF16_Optimizer" for r in ranks for c in ("get", "plain"))
     names = {"get": "safe_get_full_grad read other numbers than the optimizer's fp32 gradient",
              "set": "safe_set_full_grad did not change the step", "update": "safe_update_full_grad_vectorized did not "
