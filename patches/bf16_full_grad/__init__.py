@@ -78,7 +78,7 @@ MODULE = "deepspeed.utils.tensor_fragment"
 READS_STAGING = r'"""\s*\n    if param\.grad is not None:\n        return param\.grad\n'
 #: ``safe_set_full_grad`` / ``safe_update_full_grad_vectorized`` writing ``param.grad`` where it is not None
 WRITES_STAGING = r"if (p|param)\.grad is not None:\n\s+(p|param)\.grad\.copy_\("
-#: read: full gradients returned from BF16_Optimizer's fp32 buffer; written: gradients written into it
+#: read: full gradients returned from BF16_Optimizer's fp32 buffer; written: gradients written into it (per parameter)
 stats = {"read": 0, "written": 0}
 
 
@@ -121,8 +121,8 @@ def _said_read() -> None:
                _versions.shown("deepspeed"))
 
 
-def _said_written(what: str) -> None:
-    stats["written"] += 1
+def _said_written(what: str, count: int = 1) -> None:
+    stats["written"] += count
     _log.warning("zeroshim[%s]: %s wrote BF16_Optimizer's fp32 gradient, which the optimizer step uses, because "
                  "DeepSpeed %s writes only the bf16 copy, which the step never reads. This changes the run's numbers: "
                  "the step uses the gradients you set. %s=off turns this off.", NAME, what,
@@ -179,7 +179,7 @@ def _update(wrapped, instance, args, kwargs):
     for p, hp in mine:  # the user's function and what it returns: outside any guard, their errors are the user's
         _write(p, hp, update_func(_full(p, hp), p))
     with guard(NAME):
-        _said_written("safe_update_full_grad_vectorized")
+        _said_written("safe_update_full_grad_vectorized", len(mine))
     if rest:
         return wrapped(rest, update_func)
     return None
