@@ -25,9 +25,12 @@ Flag
     ``ZEROSHIM_ZERO_CPU_UNREDUCED_GRADS=auto|on|off`` (default ``auto``).
 
 Fix
-    ``split_half_float_double`` is wrapped: where the original leaves out a dense half, float, double or bf16
-    tensor, its buckets are replaced by 0.19.8's (one per dtype, in the same order: half, float, double, bf16), so
-    DeepSpeed's own all-reduce runs on them.  Where the original keeps every tensor (CUDA), nothing changes.  Every
+    ``split_half_float_double`` is wrapped: on the CPU accelerator, where the original leaves out a dense half,
+    float, double or bf16 tensor, its buckets are replaced by 0.19.8's (one per dtype, in the same order: half,
+    float, double, bf16), so DeepSpeed's own all-reduce runs on them.  On other accelerators nothing changes.
+    ZeRO-1 with MoE layers (which ZeRO-2 refuses without contiguous gradients) then all-reduces the expert
+    gradients over the whole data-parallel group, as this path does on CUDA and on 0.19.8: DeepSpeed's own
+    behaviour, now on the CPU too.  Every
     rank decides the same way (the same accelerator and gradient dtypes) and the decision is also checked across
     the ranks at startup (``on_disagreement="stop"``).  It changes the numbers of such runs (each rank now steps
     with the average over the ranks, as with contiguous gradients) and adds the all-reduces that were missing: said
@@ -64,6 +67,14 @@ def _by_dtype(tensors) -> list:
     return out
 
 
+def _on_cpu() -> bool:
+    """DeepSpeed's accelerator is the CPU (elsewhere the type names carry the device and match: a tensor the
+    original leaves out there is on another device, and stays out)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 def _split(wrapped, instance, args, kwargs):
     """Wraps ``split_half_float_double(tensors)``."""
     tensors = args[0] if args else kwargs.get("tensors")
@@ -73,7 +84,7 @@ def _split(wrapped, instance, args, kwargs):
         tensors = list(tensors)
         buckets = wrapped(tensors, *args[1:], **kwargs)
     with guard(NAME):
-        if is_active(NAME):
+        if is_active(NAME) and _on_cpu():
             kept = sum(len(bucket) for bucket in buckets)
             fixed = _by_dtype(tensors)
             missing = sum(len(bucket) for bucket in fixed) - kept

@@ -10,7 +10,10 @@ case, in one process per rank:
   partition with its own gradient);
 * ``with``: the same with zeroshim (as the reference);
 * ``clean/with``: the reference's config with zeroshim (the contiguous path never reaches the wrapped function):
-  equal to the reference.
+  equal to the reference;
+
+and ``one_process``: the fp32 model trained in one process without DeepSpeed on the averaged gradient (what the fp32
+references without accumulation must equal, bit for bit).
 """
 
 import torch
@@ -41,8 +44,29 @@ def train(stage, bf16, contiguous, ga=1, **zero) -> dict:
     return {"losses": losses, "optimizer": type(engine.optimizer).__name__, **param_digest(engine)}
 
 
+def one_process(steps=STEPS) -> dict:
+    """The fp32 run without DeepSpeed, in this process alone: the same model and data, each step on the gradient
+    averaged over both ranks' micro-batches (each rank's loss halved, as DeepSpeed halves each rank's gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for gen in gens:
+            (model(torch.randn(MICRO, 8, generator=gen)).pow(2).mean() / 2).backward()
+        optimizer.step()
+    import hashlib
+
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().float().contiguous().numpy().tobytes())
+    return {"param_sha256": digest.hexdigest()}
+
+
 def main():
     out, results = begin()
+    results["one_process"] = attempt(one_process)
     for case, kw in CASES.items():
         results[f"{case}/reference"] = attempt(train, contiguous=True, **kw)
         results[f"{case}/without"] = attempt(train, contiguous=False, **kw)
