@@ -65,12 +65,10 @@ Evidence
 
 from __future__ import annotations
 
-import re
-
 from zeroshim import _log, _versions
 from zeroshim._core import Patch, is_active
 from zeroshim._patcher import NotAffected, Patcher, guard, require_attr
-from zeroshim._source import Fingerprint, source_text
+from zeroshim._source import Fingerprint, reaches
 
 NAME = "bf16_full_grad"
 MODULE = "deepspeed.utils.tensor_fragment"
@@ -221,8 +219,7 @@ def patch_bf16_optimizer(module, patcher: Patcher) -> None:
 def _uses_staging(func, pattern: str) -> bool:
     """The function reads or writes ``param.grad`` first; where its source cannot be read, assumed (the wrapper
     then returns or writes what 0.19.8 would at the end of an accumulation: never a patch turned off unseen)."""
-    text = source_text(func)
-    return text is None or re.search(pattern, text) is not None
+    return reaches(func, pattern, depth=0)[0] is not False
 
 
 def patch_tensor_fragment(module, patcher: Patcher) -> None:
