@@ -144,12 +144,14 @@ def log_launch(target: str, nproc: int, args, result: dict) -> None:
 
 
 def torchrun(target: str, nproc: int, out_dir: Path, *args: str, env: dict | None = None,
-             launcher: list[str] | None = None, check: bool = True) -> dict:
+             launcher: list[str] | None = None, check: bool = True, rank_envs: dict | None = None) -> dict:
     """Run scenario ``target`` -- a patch name (``patches/<name>/scenario.py``) or
     ``<patch>/<script>.py`` -- from the installed copy, on ``nproc`` ranks; return
-    ``{"returncode", "log", "ranks": [rank0 results, ...]}``."""
+    ``{"returncode", "log", "ranks": [rank0 results, ...]}``.  ``rank_envs``: ``{rank: {name: value}}``
+    exported on that rank only (``zeroshim._launch.launch``)."""
     timeout = TIMEOUT or _launch.timeout_of(target)
-    result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=timeout)
+    result = _launch.launch(target, nproc, str(out_dir), *args, env=env, launcher=launcher, timeout=timeout,
+                            rank_envs=rank_envs)
     log_launch(target, nproc, args, result)
     if result["returncode"] == -1:
         raise AssertionError(f"{target} on {nproc} rank(s) ran past its {timeout:.0f} s bound (_launch.timeout_of) "

@@ -279,13 +279,12 @@ def test_acting_says_the_kind_of_change_and_its_level(monkeypatch, caplog):
 SCENARIO = str(Path(__file__).parent / "agree" / "ranks_agree.py")
 
 
-def _launch(tmp_path, rank1=None, *args):
+def _launch(tmp_path, rank1=None, *args, **extra):
+    """The scenario on 2 ranks, ``rank1``'s variables exported on rank 1 only, ``extra`` on both."""
     from harness import clean_env, torchrun
 
-    env = clean_env()
-    if rank1:
-        env["ZSAGREE_RANK1"] = json.dumps(rank1)
-    return torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", *args, env=env, check=False)
+    return torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", *args, env=clean_env(**extra), check=False,
+                    rank_envs={1: rank1 or {}})
 
 
 def _run_args(peft: bool) -> tuple:
@@ -362,11 +361,9 @@ def test_a_rank_with_a_pre_engine_patch_off_that_runs_a_collective_first_stops_w
     _acts_here("zero3_from_config_init")
     from harness import clean_env, torchrun
 
-    env = clean_env()
-    env["ZSAGREE_RANK1"] = json.dumps({"ZEROSHIM_ZERO3_FROM_CONFIG_INIT": "off"})
-    env["ZEROSHIM_AGREE_TIMEOUT"] = "90"
-    result = torchrun(SCENARIO, 2, tmp_path, "--timeout", "150", "--peft", "--collective-first", env=env,
-                      check=False)
+    result = torchrun(SCENARIO, 2, tmp_path, "--timeout", "150", "--peft", "--collective-first",
+                      env=clean_env(ZEROSHIM_AGREE_TIMEOUT="90"), check=False,
+                      rank_envs={1: {"ZEROSHIM_ZERO3_FROM_CONFIG_INIT": "off"}})
     first = result["ranks"][0]
     assert first is not None and "hang" not in first, result["log"][-3000:]
     assert first["stage"] == "init" and first["stopped"]["type"] == "RanksDisagree", first
@@ -482,11 +479,7 @@ def test_a_rank_without_zeroshim_stops_the_ranks_that_wait_for_it(tmp_path):
     would act, waits ZEROSHIM_AGREE_TIMEOUT (5 s here) and stops naming rank 1 and the likely causes, instead
     of running collectives rank 1 does not run."""
     _newest_only()
-    from harness import clean_env, torchrun
-
-    env = clean_env(ZEROSHIM_AGREE_TIMEOUT="5")
-    env["ZSAGREE_RANK1"] = json.dumps({"ZEROSHIM_DISABLED": "1"})
-    result = torchrun(SCENARIO, 2, tmp_path, "--timeout", "120", env=env, check=False)
+    result = _launch(tmp_path, {"ZEROSHIM_DISABLED": "1"}, ZEROSHIM_AGREE_TIMEOUT="5")
     rank0 = result["ranks"][0]
     assert rank0 is not None and rank0["stopped"]["type"] == "RanksDisagree", result["log"][-3000:]
     assert "rank 1 did not say within 5 s" in rank0["stopped"]["message"]

@@ -84,10 +84,41 @@ def test_a_server_that_cannot_import_says_why(tmp_path):
     assert "importing torch and DeepSpeed failed: ImportError: no torch here" in server.why_not
 
 
-def launch(tmp_path, name, *args, prefork=True, env=None, nproc=2, timeout=600):
+@pytest.mark.deepspeed
+def test_the_server_imports_what_a_rank_imports_at_its_first_engine_and_no_patched_module(tmp_path):
+    """The server imports torch's compiler and transformers besides DeepSpeed (0.19.8 imports neither itself; every
+    ZeRO engine's optimizer check then imports the compiler, 3.5-4.5 s a launch); where one of them would import a
+    module a patch targets, the server is not used, and says why."""
+    import importlib.util
+    import sys
+
+    env = _launch.clean_env("cpu", LOCAL_SIZE="2")
+    server = _prefork.Server(env, str(tmp_path / "server.log"))
+    try:
+        assert server.alive(), server.why_not
+        wanted = [n for n in _prefork.EXTRAS if importlib.util.find_spec(n.split(".")[0]) is not None]
+        assert set(wanted) <= set(server.imported), server.imported
+    finally:
+        server.close()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import common; common.import_deepspeed(); "
+            "print('torch._inductor.compile_fx' in sys.modules)")
+    import subprocess
+
+    preloaded = subprocess.run([sys.executable, "-c", code, _launch.HELPERS], env=env,
+                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    if preloaded == "True":
+        pytest.skip("DeepSpeed imports torch's compiler itself here: the server imports nothing more of it")
+    refused = _prefork.Server(env, str(tmp_path / "refused.log"), targets=["torch._inductor.compile_fx"])
+    assert not refused.alive()
+    assert "importing torch._inductor.compile_fx imported torch._inductor.compile_fx, which zeroshim patches" in \
+        refused.why_not
+
+
+def launch(tmp_path, name, *args, prefork=True, env=None, nproc=2, timeout=600, rank_envs=None):
     os.environ[_prefork.FLAG] = "1" if prefork else "0"
     try:
-        return _launch.launch(PROBE, nproc, str(tmp_path / name), *args, env=env, timeout=timeout)
+        return _launch.launch(PROBE, nproc, str(tmp_path / name), *args, env=env, timeout=timeout,
+                              rank_envs=rank_envs)
     finally:
         os.environ.pop(_prefork.FLAG, None)
 
@@ -126,9 +157,24 @@ def test_zeroshim_flags_reach_forked_ranks_or_start_them_fresh(tmp_path):
                                             "LOCAL_SIZE": "2"})
     assert result["returncode"] == 0, result["log"][-3000:]
     assert [r["env"]["ZEROSHIM_LOG_LEVEL"] for r in result["ranks"]] == ["INFO", "INFO"]
-    # where the server imported zeroshim (DeepSpeed < 0.14.4 imports only with its import-compat patches) it read no
-    # flag: such a launch starts fresh
-    assert result["timing"]["forked"] is not ds_before("0.14.4")
+    # forked, also where the server imported zeroshim (DeepSpeed < 0.14.4 imports only with its import-compat
+    # patches), under an environment without the flag: the rank read its own flags again, as a fresh one does
+    assert result["timing"]["forked"] is True
+    assert [r["log_level"] for r in result["ranks"]] == ["INFO", "INFO"]
+    # a flag exported on one rank only reaches that rank alone, forked or fresh
+    for prefork in (True, False):
+        one = launch(tmp_path, f"one{prefork}", prefork=prefork, rank_envs={1: {"ZEROSHIM_LOG_LEVEL": "DEBUG"}})
+        assert one["returncode"] == 0 and one["timing"]["forked"] is prefork, one["log"][-3000:]
+        assert [r["env"]["ZEROSHIM_LOG_LEVEL"] for r in one["ranks"]] == [None, "DEBUG"]
+        assert [r["log_level"] for r in one["ranks"]] == ["NOTSET", "DEBUG"]
+    # a flag of a patch the server's import of zeroshim applied: its import did what that flag now contradicts
+    compat = launch(tmp_path, "compat", env={**_launch.clean_env("cpu"), "ZEROSHIM_NUMPY2_COMPAT": "auto",
+                                             "LOCAL_SIZE": "2"})
+    assert compat["returncode"] == 0, compat["log"][-3000:]
+    assert compat["timing"]["forked"] is not ds_before("0.14.4")
+    if ds_before("0.14.4"):
+        said = (tmp_path / "compat" / "prefork.txt").read_text()
+        assert "flags that change what its server's import of zeroshim did (ZEROSHIM_NUMPY2_COMPAT)" in said
     other = launch(tmp_path, "other", env={**_launch.clean_env("cpu"), "SOMETHING_ELSE": "1", "LOCAL_SIZE": "2"})
     assert other["returncode"] == 0 and other["timing"]["forked"] is False
     said = (tmp_path / "other" / "prefork.txt").read_text()

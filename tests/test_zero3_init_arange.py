@@ -105,14 +105,10 @@ def test_ranks_that_disagree_stop_the_build_naming_the_patch(tmp_path):
     0 stops transformers' from_config at the first arange it would keep, within seconds, naming the patch."""
     if _transformers_guards():
         pytest.skip("transformers keeps the arange's dtype itself here: zeroshim keeps nothing")
-    import json
-
     from harness import clean_env
 
-    env = clean_env()
-    env.update(ZSARANGE_SPLIT="1", ZEROSHIM_AGREE_TIMEOUT="90",
-               ZSARANGE_RANK1=json.dumps({"ZEROSHIM_ZERO3_INIT_ARANGE": "off"}))
-    result = torchrun(NAME, 2, tmp_path, env=env, check=False)
+    result = torchrun(NAME, 2, tmp_path, "--split", env=clean_env(ZEROSHIM_AGREE_TIMEOUT="90"), check=False,
+                      rank_envs={1: {"ZEROSHIM_ZERO3_INIT_ARANGE": "off"}})
     first = result["ranks"][0]
     assert first is not None, result["log"][-3000:]
     assert first["status"]["state"] == "applied"

@@ -304,6 +304,18 @@ def _settings() -> _flags.Settings:
     return settings
 
 
+def reread_environment() -> None:
+    """Read the flags from the environment again, as a fresh ``import zeroshim`` would, and bring every patch to
+    what they now ask for.  For a process forked from one that imported zeroshim under another environment (the
+    ranks of a pre-fork server, ``zeroshim/_prefork.py``): its flags were read there, once, at import.  What
+    :func:`configure` set stays, as it does over the environment."""
+    global _env_settings
+    with _lock:
+        _env_settings = None
+    _flags.configure_logging()
+    sync()
+
+
 def agree_off(name: str, why: str) -> None:
     """Turn a patch off because the ranks disagreed about it (``_agree``), until :func:`reset_overrides`."""
     with _lock:

@@ -281,22 +281,31 @@ def rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
     return out
 
 
+def _env_of(env: dict, rank: int, nproc: int, port: int, rank_envs: "dict | None") -> dict:
+    """Rank ``rank``'s whole environment: :func:`rank_env`, then what ``rank_envs`` exports on that rank only."""
+    out = rank_env(env, rank, nproc, port)
+    out.update((rank_envs or {}).get(rank) or {})
+    return out
+
+
 #: after one rank fails, how long the others get to end on their own before they are killed (torchrun's agent
 #: stops the other workers at once too; a rank waiting in a collective for a dead peer never ends)
 STOP_GRACE_S = 5.0
 
 
-def run_ranks(cmd: list, nproc: int, port: int, *, env: dict, timeout: float, log_path: str) -> "tuple":
+def run_ranks(cmd: list, nproc: int, port: int, *, env: dict, timeout: float, log_path: str,
+              rank_envs: "dict | None" = None) -> "tuple":
     """Start ``nproc`` ranks of ``cmd`` as torchrun does on one node (:func:`rank_env`; each in a session of its
     own), all writing to ``log_path``, without torchrun's own process: its import of torch and its agent cost
     about 3.3 s of wall and CPU time before the ranks start (measured on the 2-core CI machine).  As torchrun's
     agent, when a rank fails the others are stopped, and the launch exits 1; all ranks exiting 0 is 0; past
-    ``timeout`` every rank and its children are killed and the code is -1.  ``(returncode, log)``."""
+    ``timeout`` every rank and its children are killed and the code is -1.  ``rank_envs``: as :func:`launch`.
+    ``(returncode, log)``."""
     procs = []
     with open(log_path, "w") as log:
         try:
             for rank in range(nproc):
-                procs.append(subprocess.Popen(cmd, env=rank_env(env, rank, nproc, port), stdout=log,
+                procs.append(subprocess.Popen(cmd, env=_env_of(env, rank, nproc, port, rank_envs), stdout=log,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
             code = supervise(procs, timeout, log)
@@ -345,26 +354,34 @@ def supervise(procs: list, timeout: float, log) -> int:
 
 
 def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = None,
-           launcher: "list | None" = None, timeout: float = 900) -> dict:
+           launcher: "list | None" = None, timeout: float = 900, rank_envs: "dict | None" = None) -> dict:
     """Run scenario ``target`` (see :func:`scenario`) on ``nproc`` ranks with
     ``--out out`` and ``args``; returns ``{"returncode", "log", "ranks"}`` where
     ``ranks[r]`` is what rank r wrote to ``out/rank<r>.json`` (None if nothing).
     A launch that runs past ``timeout`` returns code -1 with what it printed.
-    The output is also kept in ``out/log.txt``."""
+    The output is also kept in ``out/log.txt``.  ``rank_envs``: ``{rank: {name:
+    value}}``, variables exported on that rank only, on top of ``env`` (a flag set
+    on one node only); not with a ``launcher`` or under torchrun, whose ranks all
+    get one environment (``ValueError``)."""
+    rank_envs = {int(r): dict(v) for r, v in (rank_envs or {}).items() if v}
+    if rank_envs and (launcher is not None or (env or {}).get("ZSLAUNCH_TORCHRUN")):
+        raise ValueError("rank_envs: torchrun gives every rank one environment; launch without a launcher "
+                         "and without ZSLAUNCH_TORCHRUN")
     os.makedirs(out, exist_ok=True)
     env = dict(env if env is not None else clean_env(device_of(args)))
     # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))
     started = time.time()
-    server = _prefork_server(target, nproc, env, args, launcher, out)
+    server = _prefork_server(target, nproc, env, args, launcher, out, rank_envs)
     for attempt in (1, 2):  # a second time, fresh, where another process took the port before the store bound it
         with master_port() as port:
             if server is not None and attempt == 1:
-                code, log = _forked_launch(server, target, nproc, port, env, args, out, timeout)
+                code, log = _forked_launch(server, target, nproc, port, env, args, out, timeout, rank_envs)
             elif launcher is None and not env.get("ZSLAUNCH_TORCHRUN"):
                 code, log = run_ranks([sys.executable, "-u", scenario(target), "--out", out, *args], nproc, port,
-                                      env=env, timeout=timeout, log_path=os.path.join(out, "log.txt"))
+                                      env=env, timeout=timeout, log_path=os.path.join(out, "log.txt"),
+                                      rank_envs=rank_envs)
             else:  # under torchrun itself (a wrapping launcher, or ZSLAUNCH_TORCHRUN=1 in the environment)
                 cmd = list(launcher or []) + [
                     sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -396,19 +413,21 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     return {"returncode": code, "log": log, "ranks": ranks, "timing": timing}
 
 
-def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str):
+def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str, rank_envs: "dict | None" = None):
     """The pre-fork server this launch's ranks are forked from (``zeroshim/_prefork.py``), or None: pre-forked
-    launches are off, the caller chose the launcher or an environment that differs from the standard one in more
-    than zeroshim's flags, the scenario must start fresh, or the server could not start (said in the launch's
-    folder, ``out/prefork.txt``)."""
+    launches are off, the caller chose the launcher or an environment (a rank's own included) that differs from
+    the standard one in more than zeroshim's flags, or in a flag that changed what the server's import of zeroshim
+    did (:func:`zeroshim._prefork.import_flags`), the scenario must start fresh, or the server could not start
+    (said in the launch's folder, ``out/prefork.txt``)."""
     from . import _prefork
 
     if not _prefork.enabled() or launcher is not None or env.get("ZSLAUNCH_TORCHRUN"):
         return None
     standard = clean_env(device_of(args))
     standard.setdefault("LOCAL_SIZE", str(nproc))
-    differ = sorted(k for k in set(env) | set(standard)
-                    if env.get(k) != standard.get(k) and k not in _prefork.VOLATILE)
+    envs = [{**env, **(rank_envs or {}).get(rank, {})} for rank in range(nproc)]
+    differ = sorted({k for e in envs for k in set(e) | set(standard)
+                     if e.get(k) != standard.get(k) and k not in _prefork.VOLATILE})
     if any(not k.startswith("ZEROSHIM_") for k in differ):
         why = f"its environment is not the standard one ({', '.join(differ[:6])})"
     else:
@@ -416,22 +435,26 @@ def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str
     server = None if why else _prefork.server_for(standard, os.path.dirname(os.path.abspath(out)))
     if server is not None and not server.alive():
         why, server = f"its pre-fork server is not in use: {server.why_not}", None
-    elif server is not None and differ and "zeroshim" in server.imported:
-        # DeepSpeed < 0.14.4 imports only with zeroshim's import-compat patches: the server read no flag
-        why, server = f"zeroshim flags ({', '.join(differ[:6])}), and its server imported zeroshim", None
+    elif server is not None and "zeroshim" in server.imported and set(differ) & _prefork.import_flags(
+            server.zeroshim_on):
+        # DeepSpeed < 0.14.4 imports only with zeroshim's import-compat patches: the server's import applied them
+        # as its own environment said
+        flags = sorted(set(differ) & _prefork.import_flags(server.zeroshim_on))
+        why, server = f"zeroshim flags that change what its server's import of zeroshim did ({', '.join(flags)})", None
     if why:
         with open(os.path.join(out, "prefork.txt"), "w") as fh:
             fh.write(f"fresh interpreters: {why}\n")
     return server
 
 
-def _forked_launch(server, target: str, nproc: int, port: int, env: dict, args, out: str, timeout: float):
+def _forked_launch(server, target: str, nproc: int, port: int, env: dict, args, out: str, timeout: float,
+                   rank_envs: "dict | None" = None):
     """Run the launch's ranks forked from ``server``; ``(returncode, log)`` as :func:`run_ranks`."""
     from . import _prefork
 
     log_path = os.path.join(out, "log.txt")
     open(log_path, "w").close()
-    envs = [{**rank_env(env, rank, nproc, port), _prefork.FORKED: "1"} for rank in range(nproc)]
+    envs = [{**_env_of(env, rank, nproc, port, rank_envs), _prefork.FORKED: "1"} for rank in range(nproc)]
     code = server.launch(scenario(target), ["--out", out, *args], envs, log_path, timeout)
     if code is None:  # the server failed (not the launch): say so, as a failed launch
         code = 1

@@ -123,23 +123,70 @@ def fork_refusal(script: str, argv: list) -> "str | None":
 # The server (run as ``python -P -u _prefork.py``)
 
 
-def _preimport() -> list:
+#: what a rank imports anyway once it builds an engine or a model, where DeepSpeed's own import did not: DeepSpeed
+#: 0.19.8 imports neither (0.19.2 both, 0.14.1 transformers), and then every ZeRO engine's optimizer check imports
+#: torch's compiler through DeepSpeed's Muon module (3.5-4.5 s a launch on the 2-core CI machine), every tiny model
+#: transformers.  Pre-imported where installed, after DeepSpeed, as long as that imports no module a zeroshim patch
+#: targets (its patches would then find it imported where a fresh rank's hook them): else the server is not used.
+EXTRAS = ("torch._inductor.compile_fx", "transformers")
+
+
+def _preimport(targets=()) -> list:
     """Import what every rank of a scenario does first: ``common.import_deepspeed()`` (torch, then DeepSpeed, with
-    zeroshim restricted to its import-compat patches where DeepSpeed needs them), or torch alone where DeepSpeed is
-    not installed.  The helper module itself is dropped again, so that each rank imports its own (its start-up
-    clock, its first-call freeze).  Returns what is imported."""
+    zeroshim restricted to its import-compat patches where DeepSpeed needs them), then :data:`EXTRAS`; or torch
+    alone where DeepSpeed is not installed.  The helper module itself is dropped again, so that each rank imports
+    its own (its start-up clock, its first-call freeze).  ``targets``: the modules zeroshim's patches target
+    (``RuntimeError`` where an extra imports one).  Returns what is imported."""
+    import importlib
     import importlib.util
 
     try:
         if importlib.util.find_spec("deepspeed") is None:
             import torch  # noqa: F401
-        else:
-            import common
+            return [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
+        import common
 
-            common.import_deepspeed()
+        common.import_deepspeed()
     finally:
         sys.modules.pop("common", None)
-    return [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
+    imported = [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
+    for name in EXTRAS:
+        if name in sys.modules:  # DeepSpeed imported it
+            imported.append(name)
+            continue
+        try:
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                continue
+        except (ImportError, ValueError):
+            continue
+        before = set(sys.modules)
+        importlib.import_module(name)
+        hit = sorted((set(sys.modules) - before) & set(targets))
+        if hit:
+            raise RuntimeError(f"importing {name} imported {', '.join(hit[:4])}, which zeroshim patches: a forked "
+                               "rank would find it imported where a fresh one hooks it")
+        imported.append(name)
+    return imported
+
+
+def _zeroshim_on() -> list:
+    """The patches the server's zeroshim did not leave disabled (where it imported zeroshim): their flags changed
+    what its import did, so a launch that sets one starts fresh (:func:`import_flags`)."""
+    if "zeroshim" not in sys.modules:
+        return []
+    from zeroshim import _core
+
+    only = _core._overrides["only"]  # what common.import_deepspeed restricted it to (read, not evaluated: no gate)
+    return sorted(only if only is not None else _core.patch_names())
+
+
+def import_flags(patches) -> set:
+    """The variables that change what a server's import of zeroshim did, where it applied ``patches``: a launch
+    whose ranks set one of them otherwise than the server starts fresh.  The others (the flags of every other
+    patch, the log level, the agreement's timeout) a forked rank reads again at its first ``import_deepspeed``
+    (``zeroshim._core.reread_environment``), as a fresh one reads them at import."""
+    return {"ZEROSHIM_DISABLED", "ZEROSHIM_PATCHES", "ZEROSHIM_TIMING", "PYTHON_ZEROSHIM_ENV"} | {
+        "ZEROSHIM_" + name.upper() for name in patches}
 
 
 class _Forked:
@@ -254,8 +301,10 @@ def _server() -> None:
         os.write(channel, (json.dumps(message) + "\n").encode())
 
     started = time.time()
+    targets = json.loads(sys.argv[sys.argv.index("--targets") + 1]) if "--targets" in sys.argv else []
     try:
-        imported = _preimport()
+        imported = _preimport(targets)
+        zeroshim_on = _zeroshim_on()
     except BaseException as exc:
         traceback.print_exc()
         reply({"ready": False, "why": f"importing torch and DeepSpeed failed: {type(exc).__name__}: {exc}"})
@@ -267,7 +316,8 @@ def _server() -> None:
     if threads != 1:
         reply({"ready": False, "why": f"{threads} threads after the imports: forking would copy their locks held"})
         return
-    reply({"ready": True, "imported": imported, "seconds": round(time.time() - started, 2)})
+    reply({"ready": True, "imported": imported, "zeroshim_on": zeroshim_on,
+           "seconds": round(time.time() - started, 2)})
     for line in sys.stdin:
         request = json.loads(line)
         try:
@@ -283,19 +333,29 @@ def _server() -> None:
 # The launcher's side
 
 
-class Server:
-    """One pre-fork server for launches with the environment ``env`` (the ranks' own variables come per launch)."""
+def _patched_modules() -> list:
+    """Every module a zeroshim patch targets (optional ones included), from the launcher's zeroshim."""
+    from zeroshim import _core
 
-    def __init__(self, env: dict, log_path: str):
-        self.why_not, self.seconds, self.imported = None, 0.0, []
+    return sorted({module for name in _core.patch_names() for module in _core._targets(name)[0]})
+
+
+class Server:
+    """One pre-fork server for launches with the environment ``env`` (the ranks' own variables come per launch);
+    ``targets``: the modules its imports must not import (default: :func:`_patched_modules`)."""
+
+    def __init__(self, env: dict, log_path: str, targets: "list | None" = None):
+        self.why_not, self.seconds, self.imported, self.zeroshim_on = None, 0.0, [], []
         started = time.time()
         self._log = open(log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__)], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__), "--targets",
+                                      json.dumps(_patched_modules() if targets is None else targets)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      start_new_session=True)
         first = self._read(START_TIMEOUT_S)
         self.seconds = round(time.time() - started, 2)
         self.imported = list((first or {}).get("imported") or [])
+        self.zeroshim_on = list((first or {}).get("zeroshim_on") or [])
         if not first or not first.get("ready"):
             self.why_not = (first or {}).get("why") or f"it did not start within {START_TIMEOUT_S:.0f} s"
             self.close()

@@ -20,8 +20,10 @@ import argparse
 
 import torch
 
-from common import attempt, end, init_distributed, train_with_trainer, trainer_ds_config, versions
+from common import attempt, end, import_deepspeed, init_distributed, train_with_trainer, trainer_ds_config, versions
 from tiny_lora import SEQ, VOCAB, build_model
+
+import_deepspeed()
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -1,7 +1,8 @@
 """Scenario for the check that ranks agree (issue #47): 2 ranks, ZeRO-3, a tiny Llama, a raw
 ``deepspeed.initialize`` (no HfDeepSpeedConfig), then ``generate()`` with rank-dependent lengths (rank 0 stops
-after 2 new tokens, rank 1 after 6) and one training step.  ``ZSAGREE_RANK<r>`` (JSON) holds environment
-variables exported on that rank only, before ``import zeroshim``: a flag set on one node only.  A watchdog
+after 2 new tokens, rank 1 after 6) and one training step.  The tests export flags on one rank only, from its
+start (``rank_envs`` of ``zeroshim._launch.launch``): a flag set on one node only.  zeroshim is imported after
+DeepSpeed, as in every scenario, so that the launches are forked from a pre-fork server.  A watchdog
 records "hang" (``common.watch_for_hang``) where generate or the step never returns.  The model checkpoints
 its layers (reentrant, as HF's default), so that the checkpointing patches' wrappers run too; each rank records
 which patches' wrappers ran (``guards``).  ``--fail-guard PATCH`` makes rank 1 fail inside PATCH's wrapper
@@ -16,26 +17,22 @@ together after the step (zero3_gloo_gather); then generate, one step, and ``save
 (zero3_peft_save).  No activation checkpointing."""
 
 import argparse
-import json
+import logging
 import os
 import sys
 import time
 import traceback
 
-RANK = int(os.environ.get("RANK", "0"))
-os.environ.update(json.loads(os.environ.get(f"ZSAGREE_RANK{RANK}", "{}")))
+import torch
 
-import logging  # noqa: E402
-
-logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                    format=f"[rank{RANK}] %(levelname)s %(name)s: %(message)s")
-import zeroshim  # noqa: E402,F401
-import torch  # noqa: E402
-
-from common import (ds_config, import_deepspeed, init_distributed, tiny_llama, tiny_llama_config,  # noqa: E402
+from common import (ds_config, enable_zeroshim, import_deepspeed, init_distributed, tiny_llama, tiny_llama_config,
                     versions, watch_for_hang, write_results)
 
 deepspeed = import_deepspeed()
+RANK = int(os.environ.get("RANK", "0"))
+logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                    format=f"[rank{RANK}] %(levelname)s %(name)s: %(message)s")
+zeroshim = enable_zeroshim()
 
 
 def watch_guards(fail: "str | None") -> dict:

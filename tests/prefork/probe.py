@@ -8,6 +8,7 @@ barrier, gloo would see rank 1 go and rank 0 could exit 1 before the launcher sa
 every rank sleeps."""
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -41,7 +42,9 @@ def main():
     results = {"pid": os.getpid(), "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
                "argv": sys.argv[1:], "path0": sys.path[0], "leak": LEAK, "zeroshim": restricted,
                "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
-                                                      "ZEROSHIM_LOG_LEVEL", "ZSLAUNCH_FORKED")}}
+                                                      "ZEROSHIM_LOG_LEVEL", "ZSLAUNCH_FORKED")},
+               # the flag as zeroshim read it (a forked rank reads its own again: zeroshim/_prefork.py)
+               "log_level": logging.getLevelName(logging.getLogger("zeroshim").level)}
     if args.mode == "fail":
         write_results(args.out, results)
         if rank == 1:

@@ -50,9 +50,16 @@ def import_deepspeed(fix_gloo_gathers: bool = False):
         keep.append(GATHER_FIX)
     first = "ready" not in _TIMES
     # a rank forked from a pre-fork server (zeroshim/_prefork.py) finds zeroshim imported there, restricted to
-    # the import-compat patches where DeepSpeed needs them: its first call sets the restriction a fresh rank's
-    # first call would; later calls (init_distributed's) change nothing, in a forked rank as in a fresh one
-    if keep and first and ("zeroshim" not in sys.modules or os.environ.get("ZSLAUNCH_FORKED") == "1"):
+    # the import-compat patches where DeepSpeed needs them, with the flags of the server's environment: its first
+    # call reads this rank's own flags (the launcher forks only where none of them changes what the server's
+    # import did) and sets the restriction a fresh rank's first call would; later calls (init_distributed's)
+    # change nothing, in a forked rank as in a fresh one
+    forked = os.environ.get("ZSLAUNCH_FORKED") == "1" and "zeroshim" in sys.modules
+    if forked and first:
+        from zeroshim import _core
+
+        _core.reread_environment()
+    if keep and first and ("zeroshim" not in sys.modules or forked):
         import zeroshim
 
         zeroshim.configure(only=keep)
