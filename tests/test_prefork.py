@@ -115,12 +115,16 @@ def test_the_server_imports_what_a_rank_imports_at_its_first_engine_and_no_patch
 
 
 def launch(tmp_path, name, *args, prefork=True, env=None, nproc=2, timeout=600, rank_envs=None):
+    before = os.environ.get(_prefork.FLAG)
     os.environ[_prefork.FLAG] = "1" if prefork else "0"
     try:
         return _launch.launch(PROBE, nproc, str(tmp_path / name), *args, env=env, timeout=timeout,
                               rank_envs=rank_envs)
-    finally:
-        os.environ.pop(_prefork.FLAG, None)
+    finally:  # as it was: the test sessions set it for every launch of this worker's later tests
+        if before is None:
+            os.environ.pop(_prefork.FLAG, None)
+        else:
+            os.environ[_prefork.FLAG] = before
 
 
 @pytest.mark.deepspeed
