@@ -74,6 +74,29 @@ def test_the_shipped_scenarios_that_start_fresh_say_why():
     assert why("zero3_dummy_loss") is None
 
 
+def test_rank_envs_are_refused_where_they_cannot_be_honoured(tmp_path):
+    out = str(tmp_path / "never")
+    for rank_envs, said in (({2: {"ZEROSHIM_X": "off"}}, "rank 2 is not one of the launch's ranks 0..1"),
+                            ({"1": {"ZEROSHIM_X": "off"}}, "rank '1' is not one of"),
+                            ({1: {"ZEROSHIM_X": 0}}, "names and values must be strings"),
+                            ({1: {"RANK": "0"}}, "RANK is set by the launcher for every rank")):
+        with pytest.raises(ValueError, match=said):
+            _launch.launch(PROBE, 2, out, rank_envs=rank_envs)
+    with pytest.raises(ValueError, match="torchrun gives every rank one environment"):
+        _launch.launch(PROBE, 2, out, rank_envs={1: {"ZEROSHIM_X": "off"}}, launcher=[])
+    assert not os.path.exists(out)  # refused before anything ran
+
+
+def test_a_rank_s_own_variable_other_than_a_flag_starts_the_launch_fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(_prefork.FLAG, "1")
+    out = tmp_path / "other"
+    out.mkdir()
+    server = _launch._prefork_server(PROBE, 2, {**_launch.clean_env("cpu"), "LOCAL_SIZE": "2"}, [], None, str(out),
+                                     {1: {"SOMETHING_ELSE": "1"}})
+    assert server is None  # decided before any server is asked for
+    assert "its environment is not the standard one (SOMETHING_ELSE)" in (out / "prefork.txt").read_text()
+
+
 def test_a_server_that_cannot_import_says_why(tmp_path):
     fake = tmp_path / "fake"
     fake.mkdir()
@@ -84,34 +107,45 @@ def test_a_server_that_cannot_import_says_why(tmp_path):
     assert "importing torch and DeepSpeed failed: ImportError: no torch here" in server.why_not
 
 
-@pytest.mark.deepspeed
-def test_the_server_imports_what_a_rank_imports_at_its_first_engine_and_no_patched_module(tmp_path):
-    """The server imports torch's compiler and transformers besides DeepSpeed (0.19.8 imports neither itself; every
-    ZeRO engine's optimizer check then imports the compiler, 3.5-4.5 s a launch); where one of them would import a
-    module a patch targets, the server is not used, and says why."""
+def _extras_expected() -> set:
+    """The extras (``_prefork.EXTRAS``) the server imports in this environment: where the module that calls for it
+    exists (found on disk: importing DeepSpeed's subpackage here would import DeepSpeed into the test process)."""
     import importlib.util
-    import sys
 
+    found = set()
+    for name, condition in _prefork.EXTRAS:
+        top, _, rest = condition.partition(".")
+        spec = importlib.util.find_spec(top)
+        if spec is None:
+            continue
+        base = os.path.dirname(spec.origin)
+        if not rest or os.path.exists(os.path.join(base, *rest.split("."))) or \
+                os.path.exists(os.path.join(base, *rest.split(".")) + ".py"):
+            found.add(name)
+    return found
+
+
+@pytest.mark.deepspeed
+def test_an_extra_that_imports_a_patched_module_or_fails_leaves_the_server_without_it(tmp_path):
+    """An extra that imports a module a patch targets: a forked rank would find that module imported where a fresh
+    one hooks it, so the server starts again without extras, and says why; an extra that fails to import is left
+    out, said in the server's log.  (Stub modules stand for them.)"""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "zs_stub_target.py").write_text("")
+    (stubs / "zs_stub_extra.py").write_text("import zs_stub_target  # noqa: F401\n")
+    (stubs / "zs_stub_broken.py").write_text("raise ImportError('broken on purpose')\n")
     env = _launch.clean_env("cpu", LOCAL_SIZE="2")
-    server = _prefork.Server(env, str(tmp_path / "server.log"))
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(stubs)])
+    server = _prefork.Server(env, str(tmp_path / "server.log"), targets=["zs_stub_target"],
+                             extras=[("zs_stub_broken", "zs_stub_broken"), ("zs_stub_extra", "zs_stub_extra")])
     try:
         assert server.alive(), server.why_not
-        wanted = [n for n in _prefork.EXTRAS if importlib.util.find_spec(n.split(".")[0]) is not None]
-        assert set(wanted) <= set(server.imported), server.imported
+        assert "importing zs_stub_extra imported zs_stub_target, which zeroshim patches" in server.extras_refused
+        assert not {"zs_stub_extra", "zs_stub_broken"} & set(server.imported), server.imported
+        assert "broken on purpose" in (tmp_path / "server.log").read_text()
     finally:
         server.close()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import common; common.import_deepspeed(); "
-            "print('torch._inductor.compile_fx' in sys.modules)")
-    import subprocess
-
-    preloaded = subprocess.run([sys.executable, "-c", code, _launch.HELPERS], env=env,
-                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    if preloaded == "True":
-        pytest.skip("DeepSpeed imports torch's compiler itself here: the server imports nothing more of it")
-    refused = _prefork.Server(env, str(tmp_path / "refused.log"), targets=["torch._inductor.compile_fx"])
-    assert not refused.alive()
-    assert "importing torch._inductor.compile_fx imported torch._inductor.compile_fx, which zeroshim patches" in \
-        refused.why_not
 
 
 def launch(tmp_path, name, *args, prefork=True, env=None, nproc=2, timeout=600, rank_envs=None):
@@ -153,6 +187,11 @@ def test_forked_ranks_train_as_fresh_ones_bit_for_bit(tmp_path):
         assert seen[1]["ppid"] == seen[2]["ppid"] != os.getpid()
         assert seen[1]["env"]["ZSLAUNCH_FORKED"] == "1" and seen[0]["env"]["ZSLAUNCH_FORKED"] is None
     assert fresh["ranks"][0]["ppid"] == os.getpid()
+    # the server imported, besides torch and DeepSpeed, what a rank imports at its first engine or model (0.19.8's
+    # ZeRO engines import torch's compiler: 3.5-4.5 s a launch), and nothing a patch targets (else it would have
+    # started again without them)
+    for server in [s for s in _prefork._servers.values() if s.alive()]:
+        assert server.extras_refused is None and _extras_expected() <= set(server.imported), server.imported
 
 
 @pytest.mark.deepspeed

@@ -305,10 +305,12 @@ def _settings() -> _flags.Settings:
 
 
 def reread_environment() -> None:
-    """Read the flags from the environment again, as a fresh ``import zeroshim`` would, and bring every patch to
-    what they now ask for.  For a process forked from one that imported zeroshim under another environment (the
-    ranks of a pre-fork server, ``zeroshim/_prefork.py``): its flags were read there, once, at import.  What
-    :func:`configure` set stays, as it does over the environment."""
+    """Read the patches' flags and ``ZEROSHIM_LOG_LEVEL`` from the environment again and bring every patch to what
+    they now ask for.  For a process forked from one that imported zeroshim under another environment (the ranks
+    of a pre-fork server, ``zeroshim/_prefork.py``): its flags were read there, once, at import.  What
+    :func:`configure` set stays, as it does over the environment.  Not undone: what the first import did under
+    the old flags (patches applied then undone, a gate found false for good, lines already logged), a log level
+    the old environment set and the new one does not, and ``ZEROSHIM_TIMING`` (read at the first wrap)."""
     global _env_settings
     with _lock:
         _env_settings = None

@@ -363,12 +363,9 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     value}}``, variables exported on that rank only, on top of ``env`` (a flag set
     on one node only); not with a ``launcher`` or under torchrun, whose ranks all
     get one environment (``ValueError``)."""
-    rank_envs = {int(r): dict(v) for r, v in (rank_envs or {}).items() if v}
-    if rank_envs and (launcher is not None or (env or {}).get("ZSLAUNCH_TORCHRUN")):
-        raise ValueError("rank_envs: torchrun gives every rank one environment; launch without a launcher "
-                         "and without ZSLAUNCH_TORCHRUN")
-    os.makedirs(out, exist_ok=True)
     env = dict(env if env is not None else clean_env(device_of(args)))
+    rank_envs = _check_rank_envs(rank_envs, nproc, launcher is not None or bool(env.get("ZSLAUNCH_TORCHRUN")))
+    os.makedirs(out, exist_ok=True)
     # DeepSpeed's own launcher sets LOCAL_SIZE; torchrun does not, and without it
     # the CPU accelerator of DeepSpeed <= 0.14 shells out to `numactl` (absent here).
     env.setdefault("LOCAL_SIZE", str(nproc))
@@ -411,6 +408,27 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
     timing = {"wall": round(wall, 2), "startup": round(max(ready) - started, 2) if ready else None,
               "forked": server is not None and attempt == 1}
     return {"returncode": code, "log": log, "ranks": ranks, "timing": timing}
+
+
+def _check_rank_envs(rank_envs: "dict | None", nproc: int, torchrun: bool) -> dict:
+    """``rank_envs`` as :func:`launch` uses it (ranks as ints, empty ones dropped), or ``ValueError``: a rank out
+    of range, a name or value that is not a string, a variable :func:`rank_env` sets, or a launch under torchrun."""
+    out = {}
+    for rank, variables in (rank_envs or {}).items():
+        if not isinstance(rank, int) or not 0 <= rank < nproc:
+            raise ValueError(f"rank_envs: rank {rank!r} is not one of the launch's ranks 0..{nproc - 1}")
+        owned = set(rank_env({}, 0, 1, 0))
+        for name, value in (variables or {}).items():
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise ValueError(f"rank_envs[{rank}]: {name!r}={value!r}: names and values must be strings")
+            if name in owned:
+                raise ValueError(f"rank_envs[{rank}]: {name} is set by the launcher for every rank")
+        if variables:
+            out[rank] = dict(variables)
+    if out and torchrun:
+        raise ValueError("rank_envs: torchrun gives every rank one environment; launch without a launcher "
+                         "and without ZSLAUNCH_TORCHRUN")
+    return out
 
 
 def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str, rank_envs: "dict | None" = None):

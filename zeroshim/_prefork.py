@@ -18,8 +18,12 @@ all it would have done first (:func:`fork_refusal`):
 - the script declares no ``LAUNCH_FRESH = "<why>"`` (isolation by interpreter is the point: a build lock).
 
 Where DeepSpeed imports only with zeroshim's import-compat patches (< 0.14.4), the server imports zeroshim restricted
-to them first, as ``import_deepspeed`` does, and the forked rank's ``import_deepspeed`` then sets the restriction
-it asks for (``ZSLAUNCH_FORKED`` in the rank's environment).
+to them first, as ``import_deepspeed`` does, and the forked rank's ``import_deepspeed`` then reads the rank's own
+flags again and sets the restriction it asks for (``ZSLAUNCH_FORKED`` in the rank's environment); a launch whose
+flags would change what that import did starts fresh (:func:`import_flags`).  A launch's environment, each rank's
+own variables included (``rank_envs``), may differ from the standard one in zeroshim's flags only.  After DeepSpeed
+the server also imports what a rank would import at its first engine or model (:data:`EXTRAS`), never a module a
+patch targets.
 
 Off unless ``ZSLAUNCH_PREFORK=1`` (noxfile.py sets it for the test sessions); Linux and Python >= 3.11 only (the
 server runs with ``-P``: the launcher's working directory, a source checkout, must not shadow the installed
@@ -41,7 +45,8 @@ import traceback
 
 #: the environment variable that turns pre-forked launches on
 FLAG = "ZSLAUNCH_PREFORK"
-#: set in a forked rank's environment: ``import_deepspeed`` applies its restriction of zeroshim there
+#: set in a forked rank's environment: ``import_deepspeed`` reads the rank's flags again and applies its restriction
+#: of zeroshim there (inherited by the rank's own subprocesses, as any variable)
 FORKED = "ZSLAUNCH_FORKED"
 #: variables that change from launch to launch without changing what the imports do (the ranks get them)
 VOLATILE = ("PYTEST_CURRENT_TEST", FLAG)
@@ -123,20 +128,23 @@ def fork_refusal(script: str, argv: list) -> "str | None":
 # The server (run as ``python -P -u _prefork.py``)
 
 
-#: what a rank imports anyway once it builds an engine or a model, where DeepSpeed's own import did not: DeepSpeed
-#: 0.19.8 imports neither (0.19.2 both, 0.14.1 transformers), and then every ZeRO engine's optimizer check imports
-#: torch's compiler through DeepSpeed's Muon module (3.5-4.5 s a launch on the 2-core CI machine), every tiny model
-#: transformers.  Pre-imported where installed, after DeepSpeed, as long as that imports no module a zeroshim patch
-#: targets (its patches would then find it imported where a fresh rank's hook them): else the server is not used.
-EXTRAS = ("torch._inductor.compile_fx", "transformers")
+#: what a rank imports anyway once it builds an engine or a model, where DeepSpeed's own import did not: each
+#: ``(module, condition)``, imported after DeepSpeed where ``condition`` (a module) can be found.  DeepSpeed's Muon
+#: module (0.18 on) makes every ZeRO engine's optimizer check import torch's compiler: 0.19.2's own import does,
+#: 0.19.8's does not, and its ranks then paid 3.5-4.5 s a launch for it on the 2-core CI machine.  transformers:
+#: most scenarios build a model with it (0.14.1 and 0.19.2 import it with DeepSpeed, 0.19.8 does not); nothing in
+#: DeepSpeed, torch or zeroshim tests whether it is imported.  An extra that fails to import is left out (said in
+#: the server's log); one that imports a module a zeroshim patch targets (a forked rank's patches would find it
+#: imported where a fresh rank's hook it) makes the server start again without extras (:class:`Server`).
+EXTRAS = (("torch._inductor.compile_fx", "deepspeed.runtime.zero.muon"), ("transformers", "transformers"))
 
 
-def _preimport(targets=()) -> list:
+def _preimport(targets=(), extras=()) -> list:
     """Import what every rank of a scenario does first: ``common.import_deepspeed()`` (torch, then DeepSpeed, with
-    zeroshim restricted to its import-compat patches where DeepSpeed needs them), then :data:`EXTRAS`; or torch
-    alone where DeepSpeed is not installed.  The helper module itself is dropped again, so that each rank imports
-    its own (its start-up clock, its first-call freeze).  ``targets``: the modules zeroshim's patches target
-    (``RuntimeError`` where an extra imports one).  Returns what is imported."""
+    zeroshim restricted to its import-compat patches where DeepSpeed needs them), then ``extras`` (as
+    :data:`EXTRAS`); or torch alone where DeepSpeed is not installed.  The helper module itself is dropped again,
+    so that each rank imports its own (its start-up clock, its first-call freeze).  ``targets``: the modules
+    zeroshim's patches target (:class:`_Refused` where an extra imports one).  Returns what is imported."""
     import importlib
     import importlib.util
 
@@ -150,43 +158,58 @@ def _preimport(targets=()) -> list:
     finally:
         sys.modules.pop("common", None)
     imported = [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
-    for name in EXTRAS:
+    for name, condition in extras:
         if name in sys.modules:  # DeepSpeed imported it
             imported.append(name)
             continue
         try:
-            if importlib.util.find_spec(name.split(".")[0]) is None:
+            if importlib.util.find_spec(condition) is None:
                 continue
         except (ImportError, ValueError):
             continue
         before = set(sys.modules)
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception:  # a rank that needs it fails as it would have: the server goes on without it
+            print(f"[prefork] importing {name} failed; left out:", file=sys.stderr)
+            traceback.print_exc()
         hit = sorted((set(sys.modules) - before) & set(targets))
         if hit:
-            raise RuntimeError(f"importing {name} imported {', '.join(hit[:4])}, which zeroshim patches: a forked "
-                               "rank would find it imported where a fresh one hooks it")
-        imported.append(name)
+            raise _Refused(f"importing {name} imported {', '.join(hit[:4])}, which zeroshim patches: a forked "
+                           "rank would find it imported where a fresh one hooks it")
+        if name in sys.modules:
+            imported.append(name)
     return imported
 
 
+class _Refused(Exception):
+    """An extra imported a module a zeroshim patch targets: this server must not be used; one without extras may."""
+
+
 def _zeroshim_on() -> list:
-    """The patches the server's zeroshim did not leave disabled (where it imported zeroshim): their flags changed
-    what its import did, so a launch that sets one starts fresh (:func:`import_flags`)."""
+    """The patches whose flags changed what the server's import of zeroshim did (where it imported zeroshim):
+    those ``common.import_deepspeed`` kept (read, not evaluated: no gate), and those that import left skipped or
+    failed for good (a fresh rank with the flag off would say "disabled" instead).  A launch that sets one of
+    their flags starts fresh (:func:`import_flags`)."""
     if "zeroshim" not in sys.modules:
         return []
     from zeroshim import _core
 
-    only = _core._overrides["only"]  # what common.import_deepspeed restricted it to (read, not evaluated: no gate)
-    return sorted(only if only is not None else _core.patch_names())
+    only = _core._overrides["only"]
+    kept = set(only if only is not None else _core.patch_names())
+    return sorted(kept | {name for name, state in _core._states.items() if state.sticky})
 
 
 def import_flags(patches) -> set:
-    """The variables that change what a server's import of zeroshim did, where it applied ``patches``: a launch
-    whose ranks set one of them otherwise than the server starts fresh.  The others (the flags of every other
-    patch, the log level, the agreement's timeout) a forked rank reads again at its first ``import_deepspeed``
-    (``zeroshim._core.reread_environment``), as a fresh one reads them at import."""
-    return {"ZEROSHIM_DISABLED", "ZEROSHIM_PATCHES", "ZEROSHIM_TIMING", "PYTHON_ZEROSHIM_ENV"} | {
-        "ZEROSHIM_" + name.upper() for name in patches}
+    """The variables that change what a server's import of zeroshim did, where the flags of ``patches`` did
+    (:func:`_zeroshim_on`): a launch whose ranks set one of them otherwise than the server starts fresh.  The
+    others (the flags of every other patch, the log level, the agreement's timeout) a forked rank reads again at
+    its first ``import_deepspeed`` (``zeroshim._core.reread_environment``).  What a forked rank does not repeat is
+    what the server's zeroshim did at import under the server's environment, which has no flag: with
+    ``ZEROSHIM_LOG_LEVEL`` set, the lines a fresh rank logs while DeepSpeed imports (the import-compat patches
+    applied, "tested up to") are not logged."""
+    return {"ZEROSHIM_DISABLED", "ZEROSHIM_PATCHES", "ZEROSHIM_TIMING"} | {"ZEROSHIM_" + name.upper()
+                                                                           for name in patches}
 
 
 class _Forked:
@@ -301,10 +324,15 @@ def _server() -> None:
         os.write(channel, (json.dumps(message) + "\n").encode())
 
     started = time.time()
-    targets = json.loads(sys.argv[sys.argv.index("--targets") + 1]) if "--targets" in sys.argv else []
+    def arg(name: str) -> list:
+        return json.loads(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else []
+
     try:
-        imported = _preimport(targets)
+        imported = _preimport(arg("--targets"), arg("--extras"))
         zeroshim_on = _zeroshim_on()
+    except _Refused as exc:
+        reply({"ready": False, "why": str(exc), "retry_without_extras": True})
+        return
     except BaseException as exc:
         traceback.print_exc()
         reply({"ready": False, "why": f"importing torch and DeepSpeed failed: {type(exc).__name__}: {exc}"})
@@ -342,23 +370,44 @@ def _patched_modules() -> list:
 
 class Server:
     """One pre-fork server for launches with the environment ``env`` (the ranks' own variables come per launch);
-    ``targets``: the modules its imports must not import (default: :func:`_patched_modules`)."""
+    ``targets``: the modules its imports must not import (default: :func:`_patched_modules`); ``extras``: what it
+    imports after DeepSpeed (default :data:`EXTRAS`).  Where an extra imports a target, it starts once more without
+    extras (``extras_refused`` says why)."""
 
-    def __init__(self, env: dict, log_path: str, targets: "list | None" = None):
-        self.why_not, self.seconds, self.imported, self.zeroshim_on = None, 0.0, [], []
+    def __init__(self, env: dict, log_path: str, targets: "list | None" = None, extras=None):
+        self.why_not, self.seconds, self.imported, self.zeroshim_on, self.extras_refused = None, 0.0, [], [], None
         started = time.time()
         self._log = open(log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__), "--targets",
-                                      json.dumps(_patched_modules() if targets is None else targets)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     start_new_session=True)
-        first = self._read(START_TIMEOUT_S)
+        targets = _patched_modules() if targets is None else list(targets)
+        first = self._start(env, targets, [list(e) for e in (EXTRAS if extras is None else extras)])
+        if first and first.get("retry_without_extras"):
+            self.extras_refused = first.get("why")
+            self._stop()
+            first = self._start(env, targets, [])
         self.seconds = round(time.time() - started, 2)
         self.imported = list((first or {}).get("imported") or [])
         self.zeroshim_on = list((first or {}).get("zeroshim_on") or [])
         if not first or not first.get("ready"):
             self.why_not = (first or {}).get("why") or f"it did not start within {START_TIMEOUT_S:.0f} s"
             self.close()
+
+    def _start(self, env: dict, targets: list, extras: list) -> "dict | None":
+        self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__), "--targets",
+                                      json.dumps(targets), "--extras", json.dumps(extras)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     start_new_session=True)
+        return self._read(START_TIMEOUT_S)
+
+    def _stop(self) -> None:
+        _launch = _launch_module()
+        if self.proc.poll() is None:
+            _launch._kill_tree(self.proc)
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
 
     def _read(self, timeout: float) -> "dict | None":
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -393,15 +442,7 @@ class Server:
         return answer["code"]
 
     def close(self) -> None:
-        _launch = _launch_module()
-        if self.proc.poll() is None:
-            _launch._kill_tree(self.proc)
-            self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        self._stop()
         self._log.close()
 
 

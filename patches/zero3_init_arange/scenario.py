@@ -17,6 +17,9 @@ float64 table, and the value at position 1,001; and zeroshim's WARNINGs about ro
   arange's dtype there itself (``prevent_arange_dtype_change``: ``transformers_keeps``); before it, the tables are
   rounded without zeroshim and equal the reference with it; ``hf/llama/*``: transformers' own Llama built by
   ``_from_config`` under ZeRO-3 (an ``int64`` arange): the same buffers, nothing kept.
+
+``--split``: only ``hf/from_config`` with zeroshim, the ranks' flags as the launcher exported them (the test turns
+the patch off on rank 1 only): the acting rank stops the build, naming the patch (``split`` in the results).
 """
 
 import functools

@@ -2,7 +2,8 @@
 ``deepspeed.initialize`` (no HfDeepSpeedConfig), then ``generate()`` with rank-dependent lengths (rank 0 stops
 after 2 new tokens, rank 1 after 6) and one training step.  The tests export flags on one rank only, from its
 start (``rank_envs`` of ``zeroshim._launch.launch``): a flag set on one node only.  zeroshim is imported after
-DeepSpeed, as in every scenario, so that the launches are forked from a pre-fork server.  A watchdog
+DeepSpeed (``enable_zeroshim``), so that the launches are forked from a pre-fork server (``zeroshim/_prefork.py``);
+patches whose targets are imported by then apply at once, the others at their import.  A watchdog
 records "hang" (``common.watch_for_hang``) where generate or the step never returns.  The model checkpoints
 its layers (reentrant, as HF's default), so that the checkpointing patches' wrappers run too; each rank records
 which patches' wrappers ran (``guards``).  ``--fail-guard PATCH`` makes rank 1 fail inside PATCH's wrapper
@@ -30,7 +31,7 @@ from common import (ds_config, enable_zeroshim, import_deepspeed, init_distribut
 
 deepspeed = import_deepspeed()
 RANK = int(os.environ.get("RANK", "0"))
-logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,  # whatever the imports above configured
                     format=f"[rank{RANK}] %(levelname)s %(name)s: %(message)s")
 zeroshim = enable_zeroshim()
 

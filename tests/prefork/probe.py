@@ -1,7 +1,7 @@
 """Scenario of tests/test_prefork.py: what a rank sees of its own process, and a few ZeRO-3 steps.
 
 ``--mode train``: records the process (pid, parent, session), its arguments, ``sys.path[0]``, its rank's
-variables, whether an earlier launch's change to the ``torch`` module shows, and the losses of 3 ZeRO-3 steps
+variables, the level of zeroshim's logger, whether an earlier launch's change to the ``torch`` module shows, and the losses of 3 ZeRO-3 steps
 of a tiny model; sets an attribute on the ``torch`` module (a later launch forked from the same server must not see
 it).  ``--mode fail``: rank 1 exits 3 after the process group is up and rank 0 has written its results, rank 0 sleeps (outside any collective: in a
 barrier, gloo would see rank 1 go and rank 0 could exit 1 before the launcher saw rank 1's 3).  ``--mode hang``:
