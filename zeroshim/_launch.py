@@ -411,13 +411,13 @@ def launch(target: str, nproc: int, out: str, *args: str, env: "dict | None" = N
 
 
 def _check_rank_envs(rank_envs: "dict | None", nproc: int, torchrun: bool) -> dict:
-    """``rank_envs`` as :func:`launch` uses it (ranks as ints, empty ones dropped), or ``ValueError``: a rank out
-    of range, a name or value that is not a string, a variable :func:`rank_env` sets, or a launch under torchrun."""
-    out = {}
+    """``rank_envs`` as :func:`launch` uses it (a copy, empty ones dropped), or ``ValueError``: a rank that is not
+    an int of the launch, a name or value that is not a string, a variable :func:`rank_env` sets, or a launch under
+    torchrun."""
+    out, owned = {}, set(rank_env({}, 0, 1, 0))
     for rank, variables in (rank_envs or {}).items():
         if not isinstance(rank, int) or not 0 <= rank < nproc:
             raise ValueError(f"rank_envs: rank {rank!r} is not one of the launch's ranks 0..{nproc - 1}")
-        owned = set(rank_env({}, 0, 1, 0))
         for name, value in (variables or {}).items():
             if not isinstance(name, str) or not isinstance(value, str):
                 raise ValueError(f"rank_envs[{rank}]: {name!r}={value!r}: names and values must be strings")
@@ -453,12 +453,13 @@ def _prefork_server(target: str, nproc: int, env: dict, args, launcher, out: str
     server = None if why else _prefork.server_for(standard, os.path.dirname(os.path.abspath(out)))
     if server is not None and not server.alive():
         why, server = f"its pre-fork server is not in use: {server.why_not}", None
-    elif server is not None and "zeroshim" in server.imported and set(differ) & _prefork.import_flags(
-            server.zeroshim_on):
+    elif server is not None and "zeroshim" in server.imported:
         # DeepSpeed < 0.14.4 imports only with zeroshim's import-compat patches: the server's import applied them
         # as its own environment said
         flags = sorted(set(differ) & _prefork.import_flags(server.zeroshim_on))
-        why, server = f"zeroshim flags that change what its server's import of zeroshim did ({', '.join(flags)})", None
+        if flags:
+            why, server = (f"zeroshim flags that change what its server's import of zeroshim did ({', '.join(flags)})",
+                           None)
     if why:
         with open(os.path.join(out, "prefork.txt"), "w") as fh:
             fh.write(f"fresh interpreters: {why}\n")

@@ -148,17 +148,18 @@ def _preimport(targets=(), extras=()) -> list:
     import importlib
     import importlib.util
 
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
     try:
-        if importlib.util.find_spec("deepspeed") is None:
+        if not has_deepspeed:
             import torch  # noqa: F401
-            return [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
-        import common
+        else:
+            import common
 
-        common.import_deepspeed()
+            common.import_deepspeed()
     finally:
         sys.modules.pop("common", None)
     imported = [name for name in ("torch", "zeroshim", "deepspeed") if name in sys.modules]
-    for name, condition in extras:
+    for name, condition in extras if has_deepspeed else ():
         if name in sys.modules:  # DeepSpeed imported it
             imported.append(name)
             continue
